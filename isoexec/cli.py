@@ -1,0 +1,44 @@
+"""The ``isoexec`` command line (typer). Each layer owns its commands; this module only wires them.
+
+Commands: ``contract show|diff|verify`` (isoexec.contract.cli), ``gates`` and ``bench``
+(isoexec.model.gates, isoexec.report.bench), ``rollout-check`` (isoexec.engines.rollout_check),
+``rl ...`` (isoexec.rl.cli), ``report ...`` (isoexec.report.cli).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import typer
+
+app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__.splitlines()[0])
+
+# Sub-applications: (module, attribute, group name)
+_GROUPS = [
+    ("isoexec.contract.cli", "app", "contract"),
+    ("isoexec.rl.cli", "app", "rl"),
+    ("isoexec.report.cli", "app", "report"),
+]
+# Single commands: (module, function, command name)
+_COMMANDS = [
+    ("isoexec.model.gates", "gates_command", "gates"),
+    ("isoexec.report.bench", "bench_command", "bench"),
+    ("isoexec.engines.rollout_check", "rollout_check_command", "rollout-check"),
+]
+
+for _mod, _attr, _name in _GROUPS:
+    try:
+        app.add_typer(getattr(importlib.import_module(_mod), _attr), name=_name)
+    except ModuleNotFoundError as e:  # a layer not built yet must not break the others
+        if e.name != _mod:
+            raise
+for _mod, _attr, _name in _COMMANDS:
+    try:
+        app.command(_name)(getattr(importlib.import_module(_mod), _attr))
+    except ModuleNotFoundError as e:
+        if e.name != _mod:
+            raise
+
+
+if __name__ == "__main__":
+    app()
