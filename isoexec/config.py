@@ -83,6 +83,11 @@ class SFTSection(_Section):
     batch_size: int = 32
     lr: float = 3e-3
     target_accuracy: tuple[float, float] = (0.10, 0.60)
+    min_steps: int = Field(30, description="no early stop before this many steps")
+    eval_every: int = Field(10, description="measure eval accuracy every this many steps (and at the end)")
+    eval_samples: int = Field(4, description="sampled responses per eval prompt (at rl.temperature)")
+    warmup_steps: int = Field(10, description="linear learning-rate warm-up")
+    seed: int = Field(0, description="batch order of the SFT data and the eval sampling seed")
 
 
 class RLSection(_Section):
@@ -111,6 +116,12 @@ class EngineSection(_Section):
     max_num_batched_tokens: int = 256
     enable_prefix_caching: bool = False
     rollout_check_tokens: int = 2000
+    num_kv_blocks_override: int | None = Field(
+        None, description="vLLM num_gpu_blocks_override: a small KV block budget forces preemption"
+    )
+    rollout_check_full_vocab_every: int = Field(
+        4, description="rollout-check: every k-th request returns full-vocabulary logprob rows"
+    )
 
 
 class ExperimentConfig(_Section):

