@@ -1,0 +1,1 @@
+"""Gated DeltaNet core (region ``gdn.core``): fp64 reference, CPR (isoexec) and native implementations."""
