@@ -1,0 +1,51 @@
+"""``isoexec report tables|figures``: summary tables and figures of an experiment's paired RL runs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
+
+ExpDir = Annotated[
+    Path,
+    typer.Option("--exp-dir", help="experiment results folder, e.g. results/cpu-tiny", file_okay=False),
+]
+Modes = Annotated[
+    list[str] | None,
+    typer.Option("--mode", help="only this mode (repeatable; default: every rl/<mode>/ found)"),
+]
+Seeds = Annotated[
+    list[int] | None,
+    typer.Option("--seed", help="only this seed (repeatable; default: every seed<k>/ found)"),
+]
+
+
+def _run(kind: str, exp_dir: Path, modes: list[str] | None, seeds: list[int] | None) -> None:
+    from isoexec.report.data import MetricsError
+
+    if kind == "tables":
+        from isoexec.report.tables import write_tables as write
+    else:
+        from isoexec.report.figures import write_figures as write
+    try:
+        paths = write(exp_dir, modes or None, seeds or None)
+    except (MetricsError, FileNotFoundError) as e:
+        typer.secho(f"isoexec report {kind}: {e}", fg="red", err=True)
+        raise typer.Exit(1) from None
+    for p in paths:
+        typer.echo(f"wrote {p}")
+
+
+@app.command("tables")
+def tables_command(exp_dir: ExpDir, mode: Modes = None, seed: Seeds = None) -> None:
+    """Write tables/summary.{csv,md,tex} (one row per mode) and tables/per_seed.* with provenance."""
+    _run("tables", exp_dir, mode, seed)
+
+
+@app.command("figures")
+def figures_command(exp_dir: ExpDir, mode: Modes = None, seed: Seeds = None) -> None:
+    """Write figures/{logprob_diff,reward,time}.{png,pdf}."""
+    _run("figures", exp_dir, mode, seed)

@@ -1,0 +1,227 @@
+"""Inputs and outputs of the report layer: per-step RL metrics, run provenance, atomic writes.
+
+Layout read (written by ``isoexec rl train``)::
+
+    <exp_dir>/rl/<mode>/seed<k>/metrics.jsonl     one JSON object per RL step
+    <exp_dir>/rl/<mode>/seed<k>/provenance.json   git commit, machine, device, versions, command, date
+
+Every file the report layer writes goes through :mod:`isoexec.io` (temp file in the same folder,
+fsync, ``os.replace``), so a failed or interrupted write leaves the previous file intact.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import json
+import platform
+import re
+import subprocess
+import sys
+from collections.abc import Iterable, Iterator, Sequence
+from importlib import metadata
+from pathlib import Path
+
+import pandas as pd
+
+from isoexec.io import atomic_write_bytes, atomic_write_text
+
+__all__ = ["atomic_write_bytes", "atomic_write_text", "MetricsError", "discover_runs", "load_metrics"]
+
+# Keys every metrics.jsonl row must carry for the tables and figures (others are kept if present).
+REQUIRED_KEYS: tuple[str, ...] = (
+    "step",
+    "tokens",
+    "mismatch_count",
+    "logprob_abs_diff_mean",
+    "logprob_abs_diff_std",
+    "logprob_abs_diff_max",
+    "reward_mean",
+    "time/generation",
+    "time/train",
+    "time/weight_sync",
+    "time/step",
+)
+_RUN_DIR = re.compile(r"^seed(\d+)$")
+
+
+class MetricsError(ValueError):
+    """A metrics file is missing, empty, malformed or inconsistent with its folder."""
+
+
+# --------------------------------------------------------------------------------------------------
+# metrics
+# --------------------------------------------------------------------------------------------------
+
+
+def discover_runs(
+    exp_dir: str | Path, modes: Sequence[str] | None = None, seeds: Sequence[int] | None = None
+) -> list[tuple[str, int, Path]]:
+    """The RL runs of an experiment as ``(mode, seed, run_dir)``, sorted by mode then seed.
+
+    Args:
+        exp_dir: ``results/<exp>``.
+        modes, seeds: restrict to these (e.g. the experiment config's ``rl.modes`` / ``rl.seeds``,
+            so stale runs of an older config are ignored). Every requested (mode, seed) must exist.
+            ``None``: every run found on disk.
+
+    Raises:
+        MetricsError: no run found, or a requested run has no ``metrics.jsonl``.
+    """
+    rl = Path(exp_dir) / "rl"
+    found: dict[tuple[str, int], Path] = {}
+    if rl.is_dir():
+        for mode_dir in sorted(p for p in rl.iterdir() if p.is_dir()):
+            for run_dir in sorted(p for p in mode_dir.iterdir() if p.is_dir()):
+                m = _RUN_DIR.match(run_dir.name)
+                if m and (run_dir / "metrics.jsonl").is_file():
+                    found[(mode_dir.name, int(m.group(1)))] = run_dir
+    if modes is None and seeds is None:
+        runs = found
+    else:
+        want_modes = list(modes) if modes is not None else sorted({m for m, _ in found})
+        want_seeds = list(seeds) if seeds is not None else sorted({s for _, s in found})
+        missing = [f"{m}/seed{s}" for m in want_modes for s in want_seeds if (m, s) not in found]
+        if missing:
+            raise MetricsError(f"{rl}: no metrics.jsonl for run(s) {', '.join(missing)}")
+        runs = {(m, s): found[(m, s)] for m in want_modes for s in want_seeds}
+    if not runs:
+        raise MetricsError(f"{rl}: no RL runs found (expected rl/<mode>/seed<k>/metrics.jsonl)")
+    return [(m, s, runs[(m, s)]) for m, s in sorted(runs)]
+
+
+def read_metrics_file(path: str | Path, mode: str | None = None, seed: int | None = None) -> pd.DataFrame:
+    """One run's ``metrics.jsonl`` as a DataFrame sorted by step (one row per step).
+
+    ``mode``/``seed`` (from the folder names) fill missing columns and are checked against the rows.
+
+    Raises:
+        MetricsError: unreadable line, missing required key, duplicate step, or a row whose mode/seed
+            disagrees with its folder. The message names the file and line.
+    """
+    path = Path(path)
+    rows = []
+    for lineno, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise MetricsError(f"{path}:{lineno}: not valid JSON: {e}") from None
+        if not isinstance(row, dict):
+            raise MetricsError(f"{path}:{lineno}: expected a JSON object")
+        missing = [k for k in REQUIRED_KEYS if k not in row]
+        if missing:
+            raise MetricsError(f"{path}:{lineno}: missing key(s) {', '.join(missing)}")
+        for key, want in (("mode", mode), ("seed", seed)):
+            if want is not None and key in row and row[key] != want:
+                raise MetricsError(f"{path}:{lineno}: {key}={row[key]!r} but the folder says {want!r}")
+        rows.append(row)
+    if not rows:
+        raise MetricsError(f"{path}: no metrics rows")
+    df = pd.DataFrame(rows)
+    if mode is not None:
+        df["mode"] = mode
+    if seed is not None:
+        df["seed"] = seed
+    dup = df["step"][df["step"].duplicated()].tolist()
+    if dup:
+        raise MetricsError(f"{path}: duplicate step(s) {dup}")
+    return df.sort_values("step", kind="stable").reset_index(drop=True)
+
+
+def load_metrics(
+    exp_dir: str | Path, modes: Sequence[str] | None = None, seeds: Sequence[int] | None = None
+) -> pd.DataFrame:
+    """All per-step metrics of an experiment, one row per (mode, seed, step).
+
+    Columns are the metrics.jsonl keys (``time/...`` keep their slash) plus ``mode`` and ``seed``.
+    """
+    frames = [read_metrics_file(d / "metrics.jsonl", mode, seed) for mode, seed, d in discover_runs(exp_dir, modes, seeds)]
+    df = pd.concat(frames, ignore_index=True)
+    df["seed"] = df["seed"].astype(int)
+    df["step"] = df["step"].astype(int)
+    return df.sort_values(["mode", "seed", "step"], kind="stable").reset_index(drop=True)
+
+
+# --------------------------------------------------------------------------------------------------
+# provenance
+# --------------------------------------------------------------------------------------------------
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _git(*args: str) -> str | None:
+    try:
+        out = subprocess.run(["git", *args], capture_output=True, text=True, timeout=10, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip()
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def report_provenance(
+    exp_dir: str | Path, inputs: Iterable[str | Path], run_dirs: Iterable[Path] = ()
+) -> dict:
+    """Where a report file came from: inputs (with SHA-256), code version, machine, command, date.
+
+    ``run_dirs``: RL run folders whose ``provenance.json`` is embedded under ``runs`` (as written by
+    the RL layer; ``None`` where the file is missing).
+    """
+    status = _git("status", "--porcelain", "--untracked-files=no")
+    runs = {}
+    for d in run_dirs:
+        p = Path(d) / "provenance.json"
+        try:
+            runs[str(d)] = json.loads(p.read_text())
+        except (OSError, json.JSONDecodeError):
+            runs[str(d)] = None
+    return {
+        "exp_dir": str(exp_dir),
+        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "git_commit": _git("rev-parse", "HEAD"),
+        "git_dirty": None if status is None else bool(status),
+        "machine": platform.node(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "packages": {d: _version(d) for d in ("isoexec", "numpy", "pandas", "matplotlib")},
+        "inputs": [{"path": str(p), "sha256": _sha256(Path(p))} for p in inputs],
+        "runs": runs,
+    }
+
+
+def run_git_commit(run_prov: dict | None) -> str | None:
+    """The git commit recorded in an RL run's provenance.json (``git_commit``, ``commit`` or ``git.commit``)."""
+    if not isinstance(run_prov, dict):
+        return None
+    git = run_prov.get("git")
+    nested = git.get("commit") if isinstance(git, dict) else git if isinstance(git, str) else None
+    return run_prov.get("git_commit") or run_prov.get("commit") or nested
+
+
+def provenance_lines(prov: dict) -> Iterator[str]:
+    """A short human-readable provenance header (one fact per line) for md/tex comments."""
+    yield f"generated by: {prov['command']}"
+    yield f"date: {prov['date']}"
+    dirty = " (uncommitted changes)" if prov.get("git_dirty") else ""
+    yield f"git commit: {prov['git_commit']}{dirty}"
+    yield f"machine: {prov['machine']} ({prov['platform']}, python {prov['python']})"
+    yield "packages: " + ", ".join(f"{k} {v}" for k, v in prov["packages"].items())
+    commits = sorted({str(run_git_commit(r)) for r in prov["runs"].values()})
+    if commits:
+        yield "RL runs: " + ", ".join(prov["runs"]) + f" (git commit(s): {', '.join(commits)})"
+    for inp in prov["inputs"]:
+        yield f"input: {inp['path']} sha256={inp['sha256'][:16]}"

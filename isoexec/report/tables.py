@@ -1,0 +1,365 @@
+"""Summary tables of the paired native-vs-IsoExec RL runs (DESIGN.md §4, §5.2).
+
+``summary`` has one row per mode, aggregated over every seed and step:
+
+=============================  =======================================================================
+column                         definition
+=============================  =======================================================================
+mode                           ``native`` or ``isoexec``
+logprob_abs_diff_mean          mean |lT - lR| over all response tokens (token-weighted over steps)
+logprob_abs_diff_std           std of |lT - lR| over all response tokens (pooled from per-step std)
+logprob_abs_diff_max_mean      per-step max |lT - lR|, averaged over steps (and seeds)
+logprob_abs_diff_max           largest |lT - lR| seen in any step
+mismatch_count                 tokens whose fp32 logprob bits differ (sum)
+tokens                         token exposure N (sum)
+mismatch_rate                  mismatch_count / tokens
+k3_kl                          mean of exp(d) - d - 1 (token-weighted)
+time_generation_s, ...         mean seconds per step of time/generation, /train, /weight_sync, /step
+overhead_generation_pct, ...   100 * (t_mode / t_native - 1), computed per step pairwise within the
+                               same seed, then averaged; empty for the native row
+reward_first, reward_last      reward_mean at each seed's first / last step, averaged over seeds
+n_seeds, n_steps               seeds and distinct steps aggregated
+=============================  =======================================================================
+
+``per_seed`` has the same columns with one row per (mode, seed). Exact zeros stay exact: a mode whose
+every diff is 0.0 gets 0.0 (not 1e-30, not NaN) in every diff column.
+
+Files (under ``<exp_dir>/tables/``, written atomically): ``summary.csv`` (full precision) with
+``summary.provenance.json`` beside it, ``summary.md`` and ``summary.tex`` (formatted like the blog,
+provenance in a comment header), the same for ``per_seed``, and ``comparison.md``: the summary in the
+layout of the published table (DESIGN.md §1) with the published values beside it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+import pandas as pd
+
+from isoexec.report.data import (
+    atomic_write_text,
+    discover_runs,
+    load_metrics,
+    provenance_lines,
+    report_provenance,
+)
+
+BASELINE_MODE = "native"
+MODE_ORDER = ("native", "isoexec")
+# (metrics key, table column, overhead column) for the timing columns.
+TIME_KEYS: tuple[tuple[str, str, str], ...] = (
+    ("time/generation", "time_generation_s", "overhead_generation_pct"),
+    ("time/train", "time_train_s", "overhead_train_pct"),
+    ("time/weight_sync", "time_weight_sync_s", "overhead_weight_sync_pct"),
+    ("time/step", "time_step_s", "overhead_pct"),
+)
+COLUMNS: tuple[str, ...] = (
+    "mode",
+    "logprob_abs_diff_mean",
+    "logprob_abs_diff_std",
+    "logprob_abs_diff_max_mean",
+    "logprob_abs_diff_max",
+    "mismatch_count",
+    "tokens",
+    "mismatch_rate",
+    "k3_kl",
+    "time_generation_s",
+    "time_train_s",
+    "time_weight_sync_s",
+    "time_step_s",
+    "overhead_generation_pct",
+    "overhead_train_pct",
+    "overhead_weight_sync_pct",
+    "overhead_pct",
+    "reward_first",
+    "reward_last",
+    "n_seeds",
+    "n_steps",
+)
+SCIENTIFIC = {
+    "logprob_abs_diff_mean",
+    "logprob_abs_diff_std",
+    "logprob_abs_diff_max_mean",
+    "logprob_abs_diff_max",
+    "mismatch_rate",
+    "k3_kl",
+}
+INTEGER = {"mismatch_count", "tokens", "n_seeds", "n_steps", "seed"}
+
+
+def mode_sort_key(mode: str) -> tuple[int, str]:
+    """Sort key: native, isoexec, then any other mode by name."""
+    return (MODE_ORDER.index(mode) if mode in MODE_ORDER else len(MODE_ORDER), mode)
+
+
+def _token_weighted_mean(values: pd.Series, tokens: pd.Series) -> float:
+    n = float(tokens.sum())
+    if n <= 0 or values.isna().any():
+        return math.nan
+    return float((values * tokens).sum() / n)
+
+
+def _pooled_std(mean: pd.Series, std: pd.Series, tokens: pd.Series) -> float:
+    """Std over all tokens from per-step (mean, std, count): sqrt(sum n_i (s_i^2 + (m_i - m)^2) / N)."""
+    m = _token_weighted_mean(mean, tokens)
+    if math.isnan(m) or std.isna().any():
+        return math.nan
+    var = float((tokens * (std**2 + (mean - m) ** 2)).sum() / tokens.sum())
+    return math.sqrt(max(var, 0.0))
+
+
+def _aggregate(g: pd.DataFrame) -> dict:
+    """Every non-overhead column for one group of per-step rows (one mode, one or more seeds)."""
+    first = g.loc[g.groupby("seed")["step"].idxmin()]
+    last = g.loc[g.groupby("seed")["step"].idxmax()]
+    tokens = g["tokens"].astype(float)
+    row = {
+        "logprob_abs_diff_mean": _token_weighted_mean(g["logprob_abs_diff_mean"], tokens),
+        "logprob_abs_diff_std": _pooled_std(g["logprob_abs_diff_mean"], g["logprob_abs_diff_std"], tokens),
+        "logprob_abs_diff_max_mean": float(g["logprob_abs_diff_max"].mean()),
+        "logprob_abs_diff_max": float(g["logprob_abs_diff_max"].max()),
+        "mismatch_count": int(g["mismatch_count"].sum()),
+        "tokens": int(g["tokens"].sum()),
+        "mismatch_rate": float(g["mismatch_count"].sum() / tokens.sum()) if tokens.sum() > 0 else math.nan,
+        "k3_kl": _token_weighted_mean(g["k3_kl"], tokens) if "k3_kl" in g else math.nan,
+        "reward_first": float(first["reward_mean"].mean()),
+        "reward_last": float(last["reward_mean"].mean()),
+        "n_seeds": int(g["seed"].nunique()),
+        "n_steps": int(g["step"].nunique()),
+    }
+    for key, col, _ in TIME_KEYS:
+        row[col] = float(g[key].mean())
+    return row
+
+
+def paired_overhead(df: pd.DataFrame, key: str = "time/step", baseline: str = BASELINE_MODE) -> pd.DataFrame:
+    """Per-step paired overhead of every mode against ``baseline``, in percent.
+
+    Rows of a mode are matched to the baseline's rows of the same (seed, step); each pair gives
+    ``100 * (t_mode / t_baseline - 1)``. Pairs whose baseline time is 0 or missing are dropped.
+
+    Returns:
+        columns mode, seed, step, overhead_pct (the baseline mode itself is not included).
+    """
+    base = df[df["mode"] == baseline][["seed", "step", key]].rename(columns={key: "_base"})
+    other = df[df["mode"] != baseline][["mode", "seed", "step", key]]
+    pairs = other.merge(base, on=["seed", "step"], how="inner")
+    pairs = pairs[(pairs["_base"] > 0) & pairs[key].notna()]
+    pairs = pairs.assign(overhead_pct=100.0 * (pairs[key] / pairs["_base"] - 1.0))
+    return pairs[["mode", "seed", "step", "overhead_pct"]].reset_index(drop=True)
+
+
+def _with_overheads(table: pd.DataFrame, df: pd.DataFrame, by: list[str]) -> pd.DataFrame:
+    for key, _, col in TIME_KEYS:
+        ov = paired_overhead(df, key)
+        means = ov.groupby(by)["overhead_pct"].mean().rename(col).reset_index()
+        table = table.merge(means, on=by, how="left")
+    return table
+
+
+def summarize(df: pd.DataFrame) -> pd.DataFrame:
+    """The ``summary`` table (one row per mode) from :func:`isoexec.report.data.load_metrics` rows."""
+    rows = [{"mode": mode, **_aggregate(g)} for mode, g in df.groupby("mode", sort=False)]
+    table = _with_overheads(pd.DataFrame(rows), df, ["mode"])
+    table = table.sort_values("mode", key=lambda s: s.map(mode_sort_key), kind="stable")
+    return table[list(COLUMNS)].reset_index(drop=True)
+
+
+def summarize_per_seed(df: pd.DataFrame) -> pd.DataFrame:
+    """The ``per_seed`` table (one row per (mode, seed)); same columns as :func:`summarize` plus seed."""
+    rows = [{"mode": mode, "seed": int(seed), **_aggregate(g)} for (mode, seed), g in df.groupby(["mode", "seed"], sort=False)]
+    table = _with_overheads(pd.DataFrame(rows), df, ["mode", "seed"])
+    table = table.sort_values(["mode", "seed"], key=lambda s: s.map(mode_sort_key) if s.name == "mode" else s, kind="stable")
+    cols = ["mode", "seed", *COLUMNS[1:]]
+    return table[cols].reset_index(drop=True)
+
+
+# --------------------------------------------------------------------------------------------------
+# formatting
+# --------------------------------------------------------------------------------------------------
+
+
+def format_scientific(x: float) -> str:
+    """``1.648e-2`` as in the blog's table; an exact zero stays ``0``."""
+    if x == 0:
+        return "0"
+    mantissa, exponent = f"{x:.3e}".split("e")
+    return f"{mantissa}e{int(exponent)}"
+
+
+def format_value(col: str, x) -> str:
+    """One cell as shown in md/tex; ``""`` for a missing value (e.g. the native row's overhead)."""
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return ""
+    if col == "mode":
+        return str(x)
+    if col in INTEGER:
+        return str(int(x))
+    if col in SCIENTIFIC:
+        return format_scientific(float(x))
+    if col.startswith("overhead"):
+        return f"{float(x):+.1f}%"
+    if col.startswith("time_"):
+        return f"{x:.1f}" if abs(x) >= 1 else f"{x:.3g}"
+    if col.startswith("reward"):
+        return f"{x:.3f}"
+    return f"{x:.4g}"
+
+
+def _formatted(table: pd.DataFrame) -> list[list[str]]:
+    return [[format_value(c, v) for c, v in zip(table.columns, row, strict=True)] for row in table.itertuples(index=False)]
+
+
+def to_markdown(table: pd.DataFrame, prov: dict, title: str) -> str:
+    """A GitHub-markdown table with the provenance in an HTML comment header."""
+    lines = ["<!--", *(f"  {line}" for line in provenance_lines(prov)), "-->", f"**{title}**", ""]
+    lines.append("| " + " | ".join(table.columns) + " |")
+    lines.append("|" + "|".join("---" if c == "mode" else "---:" for c in table.columns) + "|")
+    lines += ["| " + " | ".join(cells) + " |" for cells in _formatted(table)]
+    lines += [
+        "",
+        "Diffs are |trainer - rollout| logprob per response token; 0 means bitwise identical. "
+        "Times are seconds per step; overheads are paired per step within each seed, then averaged.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _tex_escape(s: str) -> str:
+    for a, b in (("\\", r"\textbackslash{}"), ("&", r"\&"), ("%", r"\%"), ("#", r"\#"), ("_", r"\_"), ("$", r"\$")):
+        s = s.replace(a, b)
+    return s
+
+
+def to_latex(table: pd.DataFrame, prov: dict, title: str) -> str:
+    """A booktabs ``tabular`` with the provenance in ``%`` comments."""
+    lines = [f"% {line}" for line in provenance_lines(prov)]
+    lines.append(f"% {title}")
+    lines.append(r"\begin{tabular}{" + "".join("l" if c == "mode" else "r" for c in table.columns) + "}")
+    lines.append(r"\toprule")
+    lines.append(" & ".join(_tex_escape(c) for c in table.columns) + r" \\")
+    lines.append(r"\midrule")
+    lines += [" & ".join(_tex_escape(x) for x in cells) + r" \\" for cells in _formatted(table)]
+    lines += [r"\bottomrule", r"\end{tabular}", ""]
+    return "\n".join(lines)
+
+
+def write_table(table: pd.DataFrame, out_dir: Path, stem: str, prov: dict, title: str) -> list[Path]:
+    """``<stem>.csv`` + ``<stem>.provenance.json`` + ``<stem>.md`` + ``<stem>.tex``, each atomically."""
+    files = [
+        atomic_write_text(out_dir / f"{stem}.csv", table.to_csv(index=False)),
+        atomic_write_text(out_dir / f"{stem}.provenance.json", json.dumps(prov, indent=2, sort_keys=True) + "\n"),
+        atomic_write_text(out_dir / f"{stem}.md", to_markdown(table, prov, title)),
+        atomic_write_text(out_dir / f"{stem}.tex", to_latex(table, prov, title)),
+    ]
+    return files
+
+
+def write_tables(
+    exp_dir: str | Path, modes: Sequence[str] | None = None, seeds: Sequence[int] | None = None
+) -> list[Path]:
+    """Compute and write ``<exp_dir>/tables/{summary,per_seed}.{csv,provenance.json,md,tex}``.
+
+    Args:
+        exp_dir: ``results/<exp>``; metrics are read from ``rl/<mode>/seed<k>/metrics.jsonl``.
+        modes, seeds: restrict to these runs (default: every run on disk).
+
+    Returns:
+        the paths written.
+    """
+    exp_dir = Path(exp_dir)
+    runs = discover_runs(exp_dir, modes, seeds)
+    df = load_metrics(exp_dir, modes, seeds)
+    prov = report_provenance(exp_dir, [d / "metrics.jsonl" for _, _, d in runs], [d for _, _, d in runs])
+    out = exp_dir / "tables"
+    name = exp_dir.name
+    summary = summarize(df)
+    files = write_table(summary, out, "summary", prov, f"{name}: native vs IsoExec, all seeds and steps")
+    files.append(
+        atomic_write_text(out / "comparison.md", to_comparison_markdown(summary, prov, f"{name} vs the published result"))
+    )
+    files += write_table(summarize_per_seed(df), out, "per_seed", prov, f"{name}: per seed")
+    return files
+
+
+# The published reference (DESIGN.md §1: vLLM blog, Qwen3.5-35B-A3B, 8xH100, 50 steps).
+PUBLISHED = {
+    "native": {
+        "logprob_abs_diff_mean": 1.648e-2,
+        "logprob_abs_diff_std": 4.035e-2,
+        "logprob_abs_diff_max_mean": 5.073,
+        "time_generation_s": 591.3,
+        "time_train_s": 498.6,
+        "time_step_s": 1224.6,
+    },
+    "isoexec": {
+        "logprob_abs_diff_mean": 6.744e-7,
+        "logprob_abs_diff_std": 6.821e-7,
+        "logprob_abs_diff_max_mean": 7.358e-6,
+        "time_generation_s": 776.6,
+        "time_train_s": 591.3,
+        "time_step_s": 1534.0,
+        "overhead_generation_pct": 31.3,
+        "overhead_train_pct": 18.6,
+        "overhead_pct": 25.3,
+    },
+}
+_COMPARISON_ROWS = (
+    ("mean pre-update abs logprob diff", "logprob_abs_diff_mean", None),
+    ("std of that diff", "logprob_abs_diff_std", None),
+    ("mean per-step max diff", "logprob_abs_diff_max_mean", None),
+    ("max diff over all steps", "logprob_abs_diff_max", None),
+    ("mismatched tokens / tokens", "mismatch_count", "tokens"),
+    ("generation time / step", "time_generation_s", "overhead_generation_pct"),
+    ("policy training time / step", "time_train_s", "overhead_train_pct"),
+    ("weight sync time / step", "time_weight_sync_s", "overhead_weight_sync_pct"),
+    ("full RL step", "time_step_s", "overhead_pct"),
+    ("reward, first -> last step", "reward_first", "reward_last"),
+)
+
+
+def _comparison_cell(row: dict | None, col: str, extra: str | None) -> str:
+    if row is None or col not in row:
+        return ""
+    v = format_value(col, row[col])
+    if col.startswith("time_"):
+        v += " s"
+        ov = row.get(extra)
+        if ov is not None and not (isinstance(ov, float) and math.isnan(ov)):
+            v += f" ({format_value(extra, ov)})"
+    elif extra == "tokens":
+        v += f" / {format_value('tokens', row['tokens'])}"
+    elif extra == "reward_last":
+        v += f" -> {format_value(extra, row[extra])}"
+    return v
+
+
+def to_comparison_markdown(summary: pd.DataFrame, prov: dict, title: str) -> str:
+    """The summary in the published table's layout (metric rows, mode columns) beside the blog's values."""
+    rows = {r["mode"]: r for r in summary.to_dict("records")}
+    modes = sorted(rows, key=mode_sort_key)
+    lines = ["<!--", *(f"  {line}" for line in provenance_lines(prov)), "-->", f"**{title}**", ""]
+    head = ["metric", *modes, *(f"published {m}" for m in PUBLISHED)]
+    lines.append("| " + " | ".join(head) + " |")
+    lines.append("|---" + "|---:" * (len(head) - 1) + "|")
+    for label, col, extra in _COMPARISON_ROWS:
+        cells = [_comparison_cell(rows[m], col, extra) for m in modes]
+        cells += [_comparison_cell(PUBLISHED[m], col, extra) for m in PUBLISHED]
+        lines.append("| " + " | ".join([label, *cells]) + " |")
+    n = {m: f"{int(rows[m]['n_seeds'])} x {int(rows[m]['n_steps'])}" for m in modes}
+    lines.append("| " + " | ".join(["seeds x steps", *(n[m] for m in modes), "1 x 50", "1 x 50"]) + " |")
+    lines += [
+        "",
+        "Published: vLLM blog (2026-08-21), SkyRL + vLLM + Megatron, Qwen3.5-35B-A3B, DAPO-Math-17k, "
+        "one 8xH100 node. Overheads in parentheses are relative to native.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def read_summary(exp_dir: str | Path) -> pd.DataFrame:
+    """``<exp_dir>/tables/summary.csv`` with its numeric columns as floats (missing -> NaN)."""
+    return pd.read_csv(Path(exp_dir) / "tables" / "summary.csv", dtype={"mode": str})

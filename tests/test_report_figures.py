@@ -1,0 +1,59 @@
+"""Figures from synthetic paired runs: files written, exact zeros drawn (not lost to the log scale)."""
+
+from __future__ import annotations
+
+import numpy as np
+from test_report_tables import write_synthetic_runs
+
+from isoexec.report import figures
+from isoexec.report.data import load_metrics
+
+
+def _zero_row_points(fig, panel: int, mode_row: int) -> list[float]:
+    """x of the markers drawn on the '= 0' row of a logprob_diff panel for one mode."""
+    zax = fig.axes[2 * panel + 1]
+    xs = []
+    for line in zax.get_lines():
+        y = np.asarray(line.get_ydata(), dtype=float)
+        if len(y) and np.all(y == mode_row):
+            xs += list(np.asarray(line.get_xdata(), dtype=float))
+    return sorted(xs)
+
+
+def test_all_figures_written_as_png_and_pdf(tmp_path):
+    exp = write_synthetic_runs(tmp_path / "results" / "synthetic")
+    paths = figures.write_figures(exp)
+    for stem in ("logprob_diff", "reward", "time"):
+        png, pdf = exp / "figures" / f"{stem}.png", exp / "figures" / f"{stem}.pdf"
+        assert png in paths and pdf in paths
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert pdf.read_bytes()[:5] == b"%PDF-"
+        assert png.stat().st_size > 10_000
+
+
+def test_exact_zeros_are_drawn_on_the_bitwise_row(tmp_path):
+    exp = write_synthetic_runs(tmp_path / "results" / "synthetic")
+    fig = figures.logprob_diff_figure(load_metrics(exp), "synthetic")
+    # modes are ordered native (row 0), isoexec (row 1); isoexec is exactly 0 at steps 0, 1, 2
+    for panel in (0, 1):
+        assert _zero_row_points(fig, panel, 1) == [0.0, 1.0, 2.0]
+        assert _zero_row_points(fig, panel, 0) == []  # negative control: native is never 0
+        log_ax = fig.axes[2 * panel]
+        assert log_ax.get_yscale() == "log"
+        assert "= 0 at 3/3 steps" in " ".join(t.get_text() for t in log_ax.get_legend().get_texts())
+
+
+def test_logprob_diff_figure_with_only_zeros(tmp_path):
+    exp = write_synthetic_runs(tmp_path / "results" / "zeros", modes=("isoexec",))
+    fig = figures.logprob_diff_figure(load_metrics(exp), "zeros")
+    assert _zero_row_points(fig, 0, 0) == [0.0, 1.0, 2.0]
+    figures.save_figure(fig, tmp_path / "out", "logprob_diff")
+    assert (tmp_path / "out" / "logprob_diff.png").stat().st_size > 0
+
+
+def test_time_figure_annotates_paired_overhead(tmp_path):
+    exp = write_synthetic_runs(tmp_path / "results" / "synthetic")
+    fig = figures.time_figure(load_metrics(exp), "synthetic")
+    labels = [t.get_text() for t in fig.axes[0].texts]
+    assert "+20.8%" in labels  # the paired per-step mean, as in tables.summary overhead_pct
+    assert fig.axes[0].get_ylabel() == "seconds per RL step"

@@ -1,0 +1,116 @@
+"""The whole `reproduce` DAG executed with stand-in stage commands (the report stages are real).
+
+A fake `isoexec` first on PATH writes what each stage promises (a model folder, contract, gates,
+rollout check, synthetic RL metrics) and hands `isoexec report ...` to the real CLI. This checks the
+wiring: inputs/outputs, logs, benchmarks, the papermill notebook and its HTML, and that finished
+stages are not rerun while a changed config section reruns only the stages that read it.
+Once all stages exist, a test with the real commands and experiments/ci-tiny.yaml replaces the fake.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SNAKEMAKE = Path(sys.executable).with_name("snakemake")
+pytestmark = pytest.mark.skipif(not SNAKEMAKE.exists(), reason="snakemake not installed beside python")
+
+FAKE = f"""#!{sys.executable}
+import json, os, sys, yaml
+from pathlib import Path
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+argv = sys.argv[1:]
+if argv[0] == "report":
+    os.execv(sys.executable, [sys.executable, "-m", "isoexec.cli", *argv])
+opt = {{argv[i]: argv[i + 1] for i in range(len(argv) - 1) if argv[i].startswith("--")}}
+cfg = yaml.safe_load(open(opt["--config"]))
+res = Path("results") / cfg["name"]
+print("fake isoexec", *argv)
+if argv[:2] in (["rl", "init-model"], ["rl", "sft"]):
+    Path(opt["--out"]).mkdir(parents=True)
+    (Path(opt["--out"]) / "model.safetensors").write_text("weights")
+elif argv[0] == "gates":
+    (res / "contract.json").write_text(json.dumps({{"numerical_policy": "ab" * 32}}))
+    (res / "gates.csv").write_text("region,case_a,case_b,mode,bitwise_equal\\nlm_head,trainer_score,engine_decode,isoexec,True\\n")
+elif argv[0] == "rollout-check":
+    (res / "rollout_check.json").write_text(json.dumps({{"isoexec": {{"mismatch_count": 0}}}}))
+elif argv[:2] == ["rl", "train"]:
+    from test_report_tables import write_synthetic_runs
+    out = Path(opt["--out"])
+    write_synthetic_runs(out.parents[2], modes=[opt["--mode"]], seeds=[int(opt["--seed"])],
+                         steps=range(cfg["rl"]["steps"]))
+else:
+    sys.exit(f"fake isoexec: unexpected {{argv}}")
+"""
+
+
+def snakemake(workdir: Path, *args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PATH=os.pathsep.join([str(workdir / "bin"), str(SNAKEMAKE.parent), os.environ["PATH"]]))
+    return subprocess.run(
+        [str(SNAKEMAKE), "-s", str(ROOT / "Snakefile"), *args, "--directory", str(workdir), "--configfile", "exp.yaml"],
+        cwd=workdir,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=500,
+    )
+
+
+def job_counts(output: str) -> dict[str, int]:
+    if "Job stats:" not in output:
+        return {}
+    stats = output.split("Job stats:", 1)[1]
+    return {m.group(1): int(m.group(2)) for m in re.finditer(r"^(\w+)\s+(\d+)$", stats, re.M)}
+
+
+def test_reproduce_runs_end_to_end_and_does_not_rerun_finished_stages(tmp_path):
+    (tmp_path / "bin").mkdir()
+    fake = tmp_path / "bin" / "isoexec"
+    fake.write_text(FAKE)
+    fake.chmod(0o755)
+    config = (ROOT / "experiments" / "ci-tiny.yaml").read_text().replace("name: ci-tiny", "name: e2e")
+    config = config.replace("  steps: 2\n", "  steps: 3\n").replace("  seeds: [0]\n", "  seeds: [0, 1]\n")
+    (tmp_path / "exp.yaml").write_text(config)
+
+    r = snakemake(tmp_path, "reproduce")
+    assert r.returncode == 0, r.stdout + r.stderr
+    res = tmp_path / "results" / "e2e"
+    for rel in (
+        "contract.json",
+        "gates.csv",
+        "rollout_check.json",
+        "rl/isoexec/seed1/metrics.jsonl",
+        "tables/summary.csv",
+        "tables/summary.md",
+        "tables/summary.tex",
+        "figures/logprob_diff.png",
+        "figures/time.pdf",
+        "notebooks/analysis.ipynb",
+        "notebooks/analysis.html",
+        "benchmarks/rl_native_seed0.tsv",
+    ):
+        assert (res / rel).stat().st_size > 0, rel
+    assert (tmp_path / "runs" / "e2e" / "model" / "sft" / "model.safetensors").exists()
+    assert "fake isoexec rl train" in (tmp_path / "logs" / "e2e" / "rl" / "native" / "seed0.log").read_text()
+    html = (res / "notebooks" / "analysis.html").read_text()
+    assert "bitwise identical at 6/6" in html and "lm_head" in html  # metrics check and gate matrix
+
+    report = snakemake(tmp_path, "--report", "report.html")
+    assert report.returncode == 0, report.stdout + report.stderr
+    assert (tmp_path / "report.html").stat().st_size > 0
+
+    again = snakemake(tmp_path, "-n", "reproduce")
+    assert again.returncode == 0 and job_counts(again.stdout) == {}, again.stdout
+
+    # A changed rl section reruns the RL runs and the report, not the model, gates or engine check.
+    (tmp_path / "exp.yaml").write_text(config.replace("  steps: 3\n", "  steps: 4\n"))
+    changed = snakemake(tmp_path, "-n", "reproduce")
+    counts = job_counts(changed.stdout)
+    assert counts.get("rl_train") == 4 and counts.get("notebook") == 1, changed.stdout
+    assert not {"init_model", "sft", "gates", "rollout_check"} & set(counts), counts

@@ -1,0 +1,97 @@
+# Shared definitions of the workflow: the experiment config, its paths, and per-stage settings.
+# No rules here (snakemake --lint wants functions and rules in separate files).
+import hashlib
+import json
+import os
+import sys
+from pathlib import Path
+import shutil
+
+from isoexec.config import load_config
+from snakemake.exceptions import WorkflowError
+
+DEFAULT_CONFIGFILE = "experiments/cpu-tiny.yaml"
+
+
+def experiment_config_path():
+    """The experiment YAML the isoexec commands get: the --configfile given, else the default."""
+    if workflow.config_settings.config:
+        raise WorkflowError(
+            "--config KEY=VALUE overrides are not supported: every isoexec command reads the experiment "
+            "YAML itself, so an override would not reach it. Write experiments/<name>.yaml (with its own "
+            "name) and pass it with --configfile."
+        )
+    given = workflow.config_settings.configfiles
+    if len(given) > 1:
+        raise WorkflowError(
+            f"pass one experiment with --configfile, got {len(given)}: {given}"
+        )
+    if not given:
+        return DEFAULT_CONFIGFILE
+    path = Path(given[0])
+    try:  # keep it relative to the working directory where possible (logs, provenance read better)
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
+def validated_config(path):
+    """load_config(path): pydantic validation; a typo fails here, before any job, naming the key."""
+    try:
+        return load_config(path)
+    except (FileNotFoundError, ValueError) as e:
+        raise WorkflowError(str(e)) from None
+
+
+def settings_digest(*sections):
+    """Short SHA-256 of the named config sections; as a rule's param it reruns the rule when they change."""
+    dumped = CFG.model_dump(mode="json")
+    blob = json.dumps(
+        {s: dumped[s] for s in sections}, sort_keys=True, separators=(",", ":")
+    )
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def run_selection():
+    """--mode/--seed options restricting the report to this config's runs (stale runs are ignored)."""
+    return " ".join(
+        [f"--mode {m}" for m in CFG.rl.modes] + [f"--seed {s}" for s in CFG.rl.seeds]
+    )
+
+
+CONFIGFILE = experiment_config_path()
+CFG = validated_config(CONFIGFILE)
+EXP = CFG.name
+RES = str(CFG.out_dir)  # results/<exp>: small files only, committed
+RUNS = f"runs/{EXP}"  # models and checkpoints, not committed
+LOGS = f"logs/{EXP}"
+BENCH = f"{RES}/benchmarks"
+RL_METRICS = expand(
+    f"{RES}/rl/{{mode}}/seed{{seed}}/metrics.jsonl",
+    mode=CFG.rl.modes,
+    seed=CFG.rl.seeds,
+)
+TABLES = [f"{RES}/tables/summary.{ext}" for ext in ("csv", "md", "tex")]
+FIGURES = expand(
+    f"{RES}/figures/{{name}}.{{ext}}",
+    name=("logprob_diff", "reward", "time"),
+    ext=("png", "pdf"),
+)
+NOTEBOOK = os.path.join(workflow.basedir, "notebooks", "analysis.ipynb")
+# Torch stages use every core (snakemake caps this at --cores and exports OMP_NUM_THREADS to match);
+# it also keeps timed jobs from running beside each other.
+ALL_CORES = os.cpu_count() or 1
+
+# The commands (isoexec, and python for papermill/nbconvert) come from the environment snakemake
+# runs in: put its bin folder first on PATH unless an `isoexec` is already there.
+if shutil.which("isoexec") is None:
+    os.environ.update(
+        PATH=os.pathsep.join(
+            [os.path.dirname(sys.executable), os.environ.get("PATH", "")]
+        )
+    )
+
+
+wildcard_constraints:
+    mode="|".join(CFG.rl.modes),
+    seed=r"\d+",

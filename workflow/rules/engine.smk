@@ -1,0 +1,23 @@
+# Rollout engine: vLLM with the unified model must reproduce the trainer's logprobs bit for bit.
+
+
+rule rollout_check:
+    """Engine vs trainer logprobs on sampled rollouts, both modes."""
+    output:
+        report(
+            f"{RES}/rollout_check.json",
+            caption="../report/rollout_check.rst",
+            category="Gates",
+        ),
+    log:
+        f"{LOGS}/rollout_check.log",
+    benchmark:
+        f"{BENCH}/rollout_check.tsv"
+    conda:
+        "../envs/isoexec.yaml"
+    threads: ALL_CORES
+    params:
+        config=CONFIGFILE,
+        settings=settings_digest("device", "model", "kernels", "task", "engine"),
+    shell:
+        "isoexec rollout-check --config {params.config} > {log} 2>&1"

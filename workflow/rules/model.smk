@@ -1,0 +1,39 @@
+# Model stage: a random-init tiny Qwen3-Next, then SFT on the arithmetic task (the RL start point).
+
+
+rule init_model:
+    """Random-init model from the config's model section (HF checkpoint layout)."""
+    output:
+        directory(f"{RUNS}/model/init"),
+    log:
+        f"{LOGS}/init_model.log",
+    benchmark:
+        f"{BENCH}/init_model.tsv"
+    conda:
+        "../envs/isoexec.yaml"
+    threads: ALL_CORES
+    params:
+        config=CONFIGFILE,
+        settings=settings_digest("device", "model", "kernels", "task"),
+    shell:
+        "isoexec rl init-model --config {params.config} --out {output} > {log} 2>&1"
+
+
+rule sft:
+    """Supervised fine-tuning so that RL starts from a model with nonzero, unsaturated reward."""
+    input:
+        f"{RUNS}/model/init",
+    output:
+        directory(f"{RUNS}/model/sft"),
+    log:
+        f"{LOGS}/sft.log",
+    benchmark:
+        f"{BENCH}/sft.tsv"
+    conda:
+        "../envs/isoexec.yaml"
+    threads: ALL_CORES
+    params:
+        config=CONFIGFILE,
+        settings=settings_digest("device", "model", "kernels", "task", "sft"),
+    shell:
+        "isoexec rl sft --config {params.config} --init {input} --out {output} > {log} 2>&1"

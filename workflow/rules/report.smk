@@ -1,0 +1,94 @@
+# Report: summary tables, figures, and the executed analysis notebook (with an HTML export).
+
+
+rule report_tables:
+    """summary.{csv,md,tex} (one row per mode), per_seed.*, comparison.md, with provenance."""
+    input:
+        RL_METRICS,
+    output:
+        csv=report(
+            f"{RES}/tables/summary.csv",
+            caption="../report/summary.rst",
+            category="Tables",
+        ),
+        md=f"{RES}/tables/summary.md",
+        tex=f"{RES}/tables/summary.tex",
+        provenance=f"{RES}/tables/summary.provenance.json",
+        per_seed=report(
+            f"{RES}/tables/per_seed.csv",
+            caption="../report/per_seed.rst",
+            category="Tables",
+        ),
+        comparison=f"{RES}/tables/comparison.md",
+    log:
+        f"{LOGS}/report_tables.log",
+    conda:
+        "../envs/isoexec.yaml"
+    params:
+        exp_dir=lambda wildcards, output: os.path.dirname(os.path.dirname(output.csv)),
+        runs=run_selection(),
+    shell:
+        "isoexec report tables --exp-dir {params.exp_dir} {params.runs} > {log} 2>&1"
+
+
+rule report_figures:
+    """logprob_diff, reward and time figures, PNG and PDF."""
+    input:
+        RL_METRICS,
+    output:
+        logprob_diff=report(
+            f"{RES}/figures/logprob_diff.png",
+            caption="../report/logprob_diff.rst",
+            category="Figures",
+        ),
+        reward=report(
+            f"{RES}/figures/reward.png",
+            caption="../report/reward.rst",
+            category="Figures",
+        ),
+        time=report(
+            f"{RES}/figures/time.png", caption="../report/time.rst", category="Figures"
+        ),
+        pdf=expand(
+            f"{RES}/figures/{{name}}.pdf", name=("logprob_diff", "reward", "time")
+        ),
+    log:
+        f"{LOGS}/report_figures.log",
+    conda:
+        "../envs/isoexec.yaml"
+    params:
+        exp_dir=lambda wildcards, output: os.path.dirname(os.path.dirname(output.time)),
+        runs=run_selection(),
+    shell:
+        "isoexec report figures --exp-dir {params.exp_dir} {params.runs} > {log} 2>&1"
+
+
+rule notebook:
+    """notebooks/analysis.ipynb executed with papermill for this experiment, then exported to HTML."""
+    input:
+        notebook=NOTEBOOK,
+        tables=TABLES,
+        figures=FIGURES,
+        gates=f"{RES}/gates.csv",
+        rollout_check=f"{RES}/rollout_check.json",
+    output:
+        ipynb=f"{RES}/notebooks/analysis.ipynb",
+        html=report(
+            f"{RES}/notebooks/analysis.html",
+            caption="../report/notebook.rst",
+            category="Notebook",
+        ),
+    log:
+        f"{LOGS}/notebook.log",
+    conda:
+        "../envs/isoexec.yaml"
+    params:
+        python=sys.executable,
+        exp_dir=lambda wildcards, input: os.path.dirname(input.gates),
+        out_dir=lambda wildcards, output: os.path.dirname(output.html),
+    shell:
+        "{params.python} -m ipykernel install --sys-prefix --name python3 > {log} 2>&1"
+        " && {params.python} -m papermill --log-output -k python3 -p exp_dir {params.exp_dir}"
+        " {input.notebook} {output.ipynb} >> {log} 2>&1"
+        " && {params.python} -m jupyter nbconvert --to html --output-dir {params.out_dir}"
+        " {output.ipynb} >> {log} 2>&1"
