@@ -197,14 +197,16 @@ class _Batch:
     """Row bookkeeping of one forward: which of the N rows belong to which sequence piece."""
 
     def __init__(self, seq_rows, starts, caches, grad, n_rows, inv_freq, dtype):
-        self.seq_rows, self.starts, self.caches, self.grad = seq_rows, starts, caches, grad
+        dev = inv_freq.device
+        self.seq_rows = [r.to(dev) for r in seq_rows]
+        self.starts, self.caches, self.grad = starts, caches, grad
         self.lengths = [int(r.numel()) for r in seq_rows]
-        self.all_rows = torch.cat(seq_rows) if seq_rows else torch.zeros(0, dtype=torch.long)
+        self.all_rows = torch.cat(self.seq_rows) if seq_rows else torch.zeros(0, dtype=torch.long, device=dev)
         positions = torch.zeros(n_rows, dtype=torch.long)
         for rows, s in zip(seq_rows, starts):
             positions[rows] = torch.arange(s, s + rows.numel())
-        self.positions = positions
-        self.rope = rope_cos_sin(positions, inv_freq, dtype)
+        self.positions = positions.to(dev)
+        self.rope = rope_cos_sin(self.positions, inv_freq, dtype)
 
     def scatter(self, packed: torch.Tensor, n: int) -> torch.Tensor:
         """Place per-sequence outputs (concatenated in sequence order) back at their rows; pad rows get 0."""
@@ -256,10 +258,11 @@ class UnifiedModel(nn.Module):
     def _run(self, ids, seq_rows, starts, caches, grad: bool, rows_out=None):
         dev = self.model.embed_tokens.weight.device
         batch = _Batch(seq_rows, starts, caches, grad, ids.numel(), self.inv_freq.to(dev), self.dtype)
+        ids = ids.to(dev)
         with torch.set_grad_enabled(grad):
             h = self._hidden(ids, batch)
             if rows_out is not None:
-                h = h[rows_out]
+                h = h[rows_out.to(h.device)]
             return self._logprobs(h)
 
     def trainer_logprobs(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, grad: bool = False) -> torch.Tensor:
