@@ -119,6 +119,15 @@ def run_gates(model: UnifiedModel, gates_cfg, chunk_size: int, kernel_set: str, 
         eng = _engine(model, [batch[i] for i in order], [splits[i] for i in order])
         add("batch_composition", "engine_decode[alone]", f"engine_decode[batch={bs},shuffled]", alone_engine, eng[order.index(bs - 1)])
 
+    # 2b. continuous batching: the target decodes while other sequences prefill chunks that cross
+    #     KV-block and GDN-chunk boundaries in the same engine steps
+    others = [mk(3 * C + 7), mk(2 * C + 3)]
+    mixed = _engine(model, [target] + others,
+                    [[4] + [1] * (len(target) - 4), [1, 1, len(others[0]) - 2], [1, C + 1, len(others[1]) - C - 2]])
+    add("batch_composition", "engine_decode[alone]", "engine_decode[with concurrent prefill chunks]", alone_engine, mixed[0])
+    add("batch_composition", "trainer_score", "engine_prefill[chunks, concurrent decode]", torch.cat(_score(model, others)),
+        torch.cat(mixed[1:]))
+
     # 3. padded vs packed, micro-batches
     mb_seqs = [mk(rng.randint(gates_cfg.min_len, gates_cfg.max_len)) for _ in range(max(gates_cfg.micro_batch_sizes))]
     packed = _score(model, mb_seqs)
