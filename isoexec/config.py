@@ -105,6 +105,11 @@ class RLSection(_Section):
     clip_high: float = 0.28
     full_vocab_kl_positions: int = 32
     pass_k: int = 4
+    advantage_std_norm: bool = Field(True, description="divide group advantages by the group's reward std")
+    dynamic_sampling: bool = Field(False, description="DAPO: drop groups whose rewards are all equal from the update")
+    mini_batches: int = Field(1, description="optimizer updates per step (the batch split by groups); >1 makes clipping active")
+    max_grad_norm: float = Field(1.0, description="global grad-norm clip (<= 0: none)")
+    weight_decay: float = 0.0
 
 
 class EngineSection(_Section):

