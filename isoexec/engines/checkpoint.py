@@ -13,60 +13,15 @@ from pathlib import Path
 import torch
 
 from isoexec.config import ModelSection
+from isoexec.model.build import hf_config
 
 DEFAULT_VOCAB_SIZE = 256
 """Vocabulary used when ``ModelSection.vocab_size`` is None (the task tokenizer is not involved here)."""
 
 
 def qwen3_next_config(model: ModelSection, vocab_size: int | None = None):
-    """transformers ``Qwen3NextConfig`` with the fields of ``model``.
-
-    Args:
-        model: the experiment's ``model`` section.
-        vocab_size: overrides ``model.vocab_size``; None and ``model.vocab_size`` None give
-            ``DEFAULT_VOCAB_SIZE``.
-    """
-    from transformers import Qwen3NextConfig
-
-    layer_types = model.layer_types or [
-        "full_attention" if (i + 1) % model.full_attention_interval == 0 else "linear_attention"
-        for i in range(model.num_hidden_layers)
-    ]
-    return Qwen3NextConfig(
-        vocab_size=vocab_size or model.vocab_size or DEFAULT_VOCAB_SIZE,
-        hidden_size=model.hidden_size,
-        intermediate_size=model.moe_intermediate_size,
-        num_hidden_layers=model.num_hidden_layers,
-        layer_types=layer_types,
-        full_attention_interval=model.full_attention_interval,
-        num_attention_heads=model.num_attention_heads,
-        num_key_value_heads=model.num_key_value_heads,
-        head_dim=model.head_dim,
-        partial_rotary_factor=model.partial_rotary_factor,
-        rope_parameters={
-            "rope_theta": model.rope_theta,
-            "partial_rotary_factor": model.partial_rotary_factor,
-            "rope_type": "default",
-        },
-        rms_norm_eps=model.rms_norm_eps,
-        max_position_embeddings=model.max_position_embeddings,
-        linear_num_key_heads=model.linear_num_key_heads,
-        linear_num_value_heads=model.linear_num_value_heads,
-        linear_key_head_dim=model.linear_key_head_dim,
-        linear_value_head_dim=model.linear_value_head_dim,
-        linear_conv_kernel_dim=model.linear_conv_kernel_dim,
-        num_experts=model.num_experts,
-        num_experts_per_tok=model.num_experts_per_tok,
-        moe_intermediate_size=model.moe_intermediate_size,
-        shared_expert_intermediate_size=model.shared_expert_intermediate_size,
-        norm_topk_prob=model.norm_topk_prob,
-        decoder_sparse_step=1,
-        mlp_only_layers=[],
-        tie_word_embeddings=model.tie_word_embeddings,
-        initializer_range=model.init_std,
-        architectures=["Qwen3NextForCausalLM"],
-        dtype=model.dtype,
-    )
+    """transformers ``Qwen3NextConfig`` of ``model`` (``DEFAULT_VOCAB_SIZE`` when no vocabulary is given)."""
+    return hf_config(model, vocab_size or model.vocab_size or DEFAULT_VOCAB_SIZE)
 
 
 def build_tiny_checkpoint(

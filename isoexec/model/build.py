@@ -21,6 +21,8 @@ def hf_config(section, vocab_size: int | None = None):
     vocab = vocab_size or section.vocab_size
     if not vocab:
         raise ValueError("model.vocab_size is None: pass vocab_size (taken from the task's tokenizer)")
+    if vocab < 1:
+        raise ValueError(f"vocab_size must be >= 1, got {vocab}")
     layer_types = section.layer_types or [
         "full_attention" if (i + 1) % section.full_attention_interval == 0 else "linear_attention"
         for i in range(section.num_hidden_layers)
@@ -31,6 +33,7 @@ def hf_config(section, vocab_size: int | None = None):
         intermediate_size=section.shared_expert_intermediate_size,
         num_hidden_layers=section.num_hidden_layers,
         layer_types=layer_types,
+        full_attention_interval=section.full_attention_interval,
         num_attention_heads=section.num_attention_heads,
         num_key_value_heads=section.num_key_value_heads,
         head_dim=section.head_dim,
@@ -49,8 +52,12 @@ def hf_config(section, vocab_size: int | None = None):
         moe_intermediate_size=section.moe_intermediate_size,
         shared_expert_intermediate_size=section.shared_expert_intermediate_size,
         norm_topk_prob=section.norm_topk_prob,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
         tie_word_embeddings=section.tie_word_embeddings,
         initializer_range=section.init_std,
+        architectures=["Qwen3NextForCausalLM"],
+        dtype=section.dtype,
     )
 
 
