@@ -91,15 +91,20 @@ def _scan(S: torch.Tensor, q, k, v, g, beta) -> tuple[torch.Tensor, torch.Tensor
     """Token-by-token recurrence for M segments in parallel from states S ``[M, Dk, Dv]``.
 
     q, k ``[M, L, Dk]`` (q already scaled), v ``[M, L, Dv]``, g / beta ``[M, L]``; padded tokens carry
-    zeros and leave S exactly unchanged. Returns (o ``[M, L, Dv]``, final S).
+    zeros and leave S exactly unchanged. Returns (o ``[M, L, Dv]``, final S). In-place updates of
+    one state buffer (same elementwise operations as the reference, fewer allocations).
     """
+    S = S.clone()
+    decay = torch.exp(g)
+    outer = torch.empty_like(S)
     outs = []
     for t in range(q.shape[1]):
-        S = S * torch.exp(g[:, t])[:, None, None]
-        kv = torch.bmm(k[:, t : t + 1].contiguous(), S)[:, 0]  # [M, Dv]
-        u = (v[:, t] - kv) * beta[:, t][:, None]
-        S = S + k[:, t][:, :, None] * u[:, None, :]
-        outs.append(torch.bmm(q[:, t : t + 1].contiguous(), S)[:, 0])
+        S.mul_(decay[:, t, None, None])
+        kv = torch.bmm(k[:, t : t + 1], S)[:, 0]  # [M, Dv]
+        u = (v[:, t] - kv) * beta[:, t, None]
+        torch.mul(k[:, t, :, None], u[:, None, :], out=outer)
+        S.add_(outer)
+        outs.append(torch.bmm(q[:, t : t + 1], S)[:, 0])
     return torch.stack(outs, dim=1), S
 
 
