@@ -1,0 +1,188 @@
+"""The synchronous RL loop: one paired run (mode, seed) of GRPO/DAPO on the arithmetic task.
+
+Each step, in this order (timed with ``time.perf_counter``):
+
+1. ``time/generation``: the engine samples ``rl.group_size`` responses for each of the step's
+   ``rl.prompts_per_step`` prompts. Data order and sampling seeds depend only on (task, seed, step),
+   so native and isoexec runs of one seed see the same prompts and the same RNG seeds.
+2. ``time/score``: the trainer's pre-update ``trainer_score`` (no grad) of every sequence gives the
+   full-vocabulary rows at response positions, hence ``lT`` (and the entropy, full-vocab KL).
+3. metrics of :mod:`isoexec.rl.metrics` (rollout ``lR`` vs trainer ``lT``; rewards).
+4. ``time/train``: advantages, then ``rl.mini_batches`` optimizer updates with the DAPO loss whose
+   ratio is ``exp(logp_new - lT)`` (the trainer's own old logprobs; the rollout ratio is a metric).
+5. ``time/weight_sync``: the trainer's compute-dtype weights (bf16 rounded from the fp32 masters)
+   go to the engine (isoexec: contract handshake, checksums).
+
+``time/step`` covers 1-5. One JSON row per step is appended to ``metrics.jsonl`` (atomically, the
+whole file rewritten), ``provenance.json`` is written at the start.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from isoexec.config import ExperimentConfig
+from isoexec.io import atomic_write_json
+from isoexec.provenance import provenance
+from isoexec.rl import grpo, metrics
+from isoexec.rl.interfaces import Engine, Policy
+from isoexec.rl.task import Problem, make_splits, reward
+from isoexec.rl.tokenizer import encode_prompt, load_tokenizer
+from isoexec.trainer.optim import MasterAdamW
+from isoexec.trainer.policy import sync_state
+
+log = logging.getLogger(__name__)
+
+
+def step_prompts(train: list[Problem], seed: int, step: int, per_step: int) -> list[Problem]:
+    """The prompts of ``step``: consecutive slices of a seed-dependent permutation of the train split
+    (re-shuffled with a new epoch seed when exhausted). Independent of the mode."""
+    per_epoch = len(train) // per_step
+    epoch, k = divmod(step, per_epoch)
+    order = list(range(len(train)))
+    random.Random(f"rl-order/{seed}/{epoch}").shuffle(order)
+    return [train[i] for i in order[k * per_step : (k + 1) * per_step]]
+
+
+def generation_seed(seed: int, step: int) -> int:
+    """The engine's sampling seed for (run seed, step); the same in both modes."""
+    return (seed * 1_000_003 + step * 7_919 + 17) % (2**31 - 1)
+
+
+def kl_positions(n_tokens: int, k: int, seed: int, step: int) -> torch.Tensor:
+    """``min(k, N)`` response-token indices for ``full_vocab_kl``, deterministic in (seed, step)."""
+    g = torch.Generator().manual_seed(generation_seed(seed, step) + 1)
+    return torch.randperm(n_tokens, generator=g)[: min(k, n_tokens)].sort().values
+
+
+def rl_step(policy: Policy, engine: Engine, optimizer: MasterAdamW, tok, problems: list[Problem],
+            config: ExperimentConfig, seed: int, step: int) -> dict[str, Any]:
+    """One synchronous RL step; returns its metrics row (without ``step``/``mode``/``seed``)."""
+    rl = config.rl
+    t_step = time.perf_counter()
+
+    # 1. generation
+    t0 = time.perf_counter()
+    prompts = [encode_prompt(tok, p.prompt) for p in problems]
+    completions = engine.generate(prompts, rl.group_size, rl.max_new_tokens, generation_seed(seed, step),
+                                  rl.temperature)
+    t_gen = time.perf_counter() - t0
+    rewards = torch.tensor(
+        [[reward(tok.convert_ids_to_tokens(c.token_ids), p.answer, tok.eos_token) for c in group]
+         for p, group in zip(problems, completions)]
+    )  # [P, G]
+    batch = grpo.build_batch(prompts, completions)
+
+    # 2. pre-update trainer_score
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        full = policy.trainer_logprobs(batch.input_ids, batch.cu_seqlens, grad=False)
+        resp_rows = full[batch.score_rows]  # [N, V]
+        lT = resp_rows.gather(1, batch.tokens[:, None]).squeeze(1)
+    t_score = time.perf_counter() - t0
+
+    # 3. metrics
+    row: dict[str, Any] = metrics.logprob_diff_metrics(batch.rollout_logprobs, lT)
+    pos = kl_positions(lT.numel(), rl.full_vocab_kl_positions, seed, step)
+    row["full_vocab_kl"] = metrics.full_vocab_kl(
+        None if batch.rollout_rows is None else batch.rollout_rows[pos], resp_rows[pos]
+    )
+    row["reward_mean"] = float(rewards.mean())
+    row["pass_at_k"] = metrics.mean_pass_at_k(rewards, rl.pass_k)
+    row["response_length_mean"] = float(batch.seq_index.bincount(minlength=rewards.numel()).double().mean())
+    row["entropy_mean"] = metrics.entropy_mean(resp_rows)
+
+    # 4. update
+    t0 = time.perf_counter()
+    adv = grpo.group_advantages(rewards, std_norm=rl.advantage_std_norm).reshape(-1)  # [B] per sequence
+    groups = list(range(len(problems)))
+    if rl.dynamic_sampling:
+        keep = grpo.informative_groups(rewards)
+        groups = [g for g in groups if bool(keep[g])]
+    row["groups_used"] = len(groups)
+    losses, norms, clip_fracs = [], [], []
+    n_mb = max(1, min(rl.mini_batches, len(groups)))
+    for mb in range(n_mb):
+        mb_groups = groups[mb::n_mb]
+        if not mb_groups:
+            continue
+        seqs = [g * rl.group_size + j for g in mb_groups for j in range(rl.group_size)]
+        sub = batch.select(seqs)
+        old = lT[torch.cat([torch.nonzero(batch.seq_index == s).squeeze(1) for s in seqs])]
+        new = grpo.token_logprobs(policy.trainer_logprobs(sub.input_ids, sub.cu_seqlens, grad=True), sub)
+        loss, stats = grpo.policy_loss(new, old, adv[torch.tensor(seqs)][sub.seq_index], rl.clip_low, rl.clip_high)
+        optimizer.zero_grad()
+        loss.backward()
+        norms.append(optimizer.step())
+        losses.append(float(loss.detach()))
+        clip_fracs.append(stats["clip_frac"])
+    t_train = time.perf_counter() - t0
+    row["loss"] = sum(losses) / len(losses) if losses else 0.0
+    row["grad_norm"] = sum(norms) / len(norms) if norms else 0.0
+    row["clip_frac"] = sum(clip_fracs) / len(clip_fracs) if clip_fracs else 0.0
+
+    # 5. weight sync
+    t0 = time.perf_counter()
+    engine.sync_weights(sync_state(policy), policy.contract())
+    t_sync = time.perf_counter() - t0
+
+    row.update({"time/generation": t_gen, "time/score": t_score, "time/train": t_train,
+                "time/weight_sync": t_sync, "time/step": time.perf_counter() - t_step})
+    return row
+
+
+def run_rl(config: ExperimentConfig, mode: str, seed: int, init_dir: str | Path, out_dir: str | Path,
+           steps: int | None = None, engine: Engine | None = None, policy: Policy | None = None,
+           command: str | None = None) -> list[dict[str, Any]]:
+    """A paired-run half: ``steps`` (default ``rl.steps``) RL steps of ``mode`` from ``init_dir``.
+
+    Args:
+        engine, policy: injected implementations (tests); default the vLLM engine and the trainer of
+            ``mode`` (:func:`isoexec.trainer.policy.load_policy`), both from ``init_dir``.
+        command: recorded in ``provenance.json`` (default ``sys.argv``).
+
+    Writes ``out_dir/metrics.jsonl`` (one row per step) and ``out_dir/provenance.json``.
+    Returns the rows.
+    """
+    rl = config.rl
+    if mode == "isoexec" and rl.temperature != config.kernels.temperature:
+        raise ValueError(f"rl.temperature={rl.temperature} differs from the contract's kernels.temperature="
+                         f"{config.kernels.temperature}")
+    if not 1 <= rl.pass_k <= rl.group_size:
+        raise ValueError(f"rl.pass_k={rl.pass_k} must be in [1, group_size={rl.group_size}]")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    tok = load_tokenizer(init_dir)
+    train, _ = make_splits(config.task)
+    if policy is None:
+        from isoexec.trainer.policy import load_policy
+
+        policy = load_policy(mode, init_dir, config)
+    optimizer = MasterAdamW(policy.named_parameters(), lr=rl.lr, weight_decay=rl.weight_decay,
+                            max_grad_norm=rl.max_grad_norm)
+    if engine is None:
+        from isoexec.rl.engine_adapter import VLLMEngine
+
+        engine = VLLMEngine(init_dir, mode, config, seed=seed)
+    prov = provenance(command)
+    prov["run"] = {"mode": mode, "seed": seed, "init": str(init_dir), "steps": steps or rl.steps,
+                   "engine": type(engine).__name__, "trainer": type(policy).__name__,
+                   "torch_num_threads": torch.get_num_threads()}
+    atomic_write_json(out_dir / "provenance.json", prov)
+    mlog = metrics.MetricsLog(out_dir / "metrics.jsonl")
+    for step in range(steps if steps is not None else rl.steps):
+        problems = step_prompts(train, seed, step, rl.prompts_per_step)
+        row = rl_step(policy, engine, optimizer, tok, problems, config, seed, step)
+        mlog.append({"step": step, "mode": mode, "seed": seed, **row})
+        log.info("%s seed %d step %d: reward %.3f mismatch %d/%d max|d| %.3g step %.2fs (gen %.2f score %.2f "
+                 "train %.2f sync %.2f)", mode, seed, step, row["reward_mean"], row["mismatch_count"], row["tokens"],
+                 row["logprob_abs_diff_max"], row["time/step"], row["time/generation"], row["time/score"],
+                 row["time/train"], row["time/weight_sync"])
+    return mlog.rows

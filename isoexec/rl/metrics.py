@@ -1,0 +1,148 @@
+"""Per-step RL metrics, defined exactly as DESIGN §4, and the atomic ``metrics.jsonl`` writer.
+
+Notation: for each response token t of a step, ``lR_t`` is the logprob the rollout engine reported
+for the sampled token and ``lT_t`` the pre-update trainer logprob (``trainer_score``) of the same
+token, both float32; ``d_t = lT_t - lR_t``.
+
+- ``tokens``: the token exposure N (response tokens in the step).
+- ``mismatch_count``: tokens whose float32 bit patterns differ (``lT.view(int32) != lR.view(int32)``:
+  ``-0.0`` vs ``0.0`` counts as a mismatch, two identical NaNs do not); ``mismatch_rate = count / N``.
+- ``logprob_abs_diff_mean/std/max``: mean, population std (``correction=0``) and max of ``|d_t|``.
+- ``k3_kl``: ``mean(exp(d) - d - 1)`` (Schulman's k3 estimator of KL(rollout || trainer) from
+  rollout samples); exactly 0 when every ``d_t`` is 0.
+- ``is_ratio_mean/min/max``: statistics of ``exp(d_t)`` = pi_trainer / mu_rollout.
+- ``full_vocab_kl``: mean over sampled positions of ``sum_v p_R(v) (log p_R(v) - log p_T(v))``.
+- ``entropy_mean``: mean over response positions of the trainer's full-vocabulary entropy.
+- ``pass_at_k``: mean over prompts of the unbiased estimator ``1 - C(n-c, k) / C(n, k)`` (n samples,
+  c correct).
+
+Reductions run in float64 on the float32 inputs, so they add no rounding of their own worth
+mentioning. Empty inputs give NaN (written as JSON ``null``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from isoexec.io import atomic_write_text
+
+NAN = float("nan")
+
+
+def logprob_diff_metrics(rollout_logprobs: torch.Tensor, trainer_logprobs: torch.Tensor) -> dict[str, float | int]:
+    """Mismatch statistics between rollout and trainer logprobs of the same sampled tokens.
+
+    Args:
+        rollout_logprobs: ``[N]`` float32, ``lR_t`` as reported by the engine.
+        trainer_logprobs: ``[N]`` float32, ``lT_t`` from the pre-update ``trainer_score``.
+
+    Returns:
+        ``tokens, mismatch_count, mismatch_rate, logprob_abs_diff_mean, logprob_abs_diff_std,
+        logprob_abs_diff_max, k3_kl, is_ratio_mean, is_ratio_min, is_ratio_max``.
+    """
+    lR, lT = rollout_logprobs, trainer_logprobs
+    if lR.shape != lT.shape or lR.dim() != 1:
+        raise ValueError(f"expected two [N] tensors, got {tuple(lR.shape)} and {tuple(lT.shape)}")
+    if lR.dtype != torch.float32 or lT.dtype != torch.float32:
+        raise ValueError(f"logprobs must be float32 (bits are compared), got {lR.dtype} and {lT.dtype}")
+    n = lR.numel()
+    out: dict[str, float | int] = {"tokens": n}
+    if n == 0:
+        out.update(mismatch_count=0, mismatch_rate=NAN, logprob_abs_diff_mean=NAN, logprob_abs_diff_std=NAN,
+                   logprob_abs_diff_max=NAN, k3_kl=NAN, is_ratio_mean=NAN, is_ratio_min=NAN, is_ratio_max=NAN)
+        return out
+    mismatch = int((lT.contiguous().view(torch.int32) != lR.contiguous().view(torch.int32)).sum())
+    d = lT.double() - lR.double()
+    a = d.abs()
+    r = torch.exp(d)
+    out.update(
+        mismatch_count=mismatch,
+        mismatch_rate=mismatch / n,
+        logprob_abs_diff_mean=float(a.mean()),
+        logprob_abs_diff_std=float(a.std(correction=0)),
+        logprob_abs_diff_max=float(a.max()),
+        k3_kl=float((r - d - 1.0).mean()),
+        is_ratio_mean=float(r.mean()),
+        is_ratio_min=float(r.min()),
+        is_ratio_max=float(r.max()),
+    )
+    return out
+
+
+def full_vocab_kl(rollout_rows: torch.Tensor | None, trainer_rows: torch.Tensor) -> float:
+    """Mean over positions of KL(rollout || trainer) over the whole vocabulary.
+
+    Args:
+        rollout_rows: ``[P, V]`` full-vocabulary logprobs from the engine at P positions, or None
+            when the engine does not provide them (then NaN).
+        trainer_rows: ``[P, V]`` trainer logprobs at the same positions.
+
+    Tokens with rollout probability 0 (logprob ``-inf``) contribute 0.
+    """
+    if rollout_rows is None or rollout_rows.numel() == 0:
+        return NAN
+    if rollout_rows.shape != trainer_rows.shape:
+        raise ValueError(f"row shapes differ: {tuple(rollout_rows.shape)} vs {tuple(trainer_rows.shape)}")
+    lR, lT = rollout_rows.double(), trainer_rows.double()
+    pR = lR.exp()
+    terms = torch.where(pR > 0, pR * (lR - lT), torch.zeros_like(pR))
+    return float(terms.sum(-1).mean())
+
+
+def entropy_mean(logprob_rows: torch.Tensor) -> float:
+    """Mean over rows of ``-sum_v p(v) log p(v)`` for ``[N, V]`` logprob rows (NaN when N = 0)."""
+    if logprob_rows.numel() == 0:
+        return NAN
+    lp = logprob_rows.double()
+    p = lp.exp()
+    return float(-torch.where(p > 0, p * lp, torch.zeros_like(p)).sum(-1).mean())
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k for one prompt (Chen et al. 2021): ``1 - C(n-c, k) / C(n, k)``.
+
+    Args:
+        n: samples drawn; c: correct samples (0 <= c <= n); k: 1 <= k <= n.
+    """
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass_at_k needs 0 <= c <= n and 1 <= k <= n, got n={n} c={c} k={k}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
+
+
+def mean_pass_at_k(rewards: torch.Tensor, k: int) -> float:
+    """Mean pass@k over prompts from ``[P, G]`` 0/1 rewards (G samples per prompt)."""
+    if rewards.numel() == 0:
+        return NAN
+    g = rewards.shape[1]
+    return sum(pass_at_k(g, int(row.sum()), k) for row in (rewards > 0.5)) / rewards.shape[0]
+
+
+def _json_value(v: Any) -> Any:
+    if isinstance(v, float) and not math.isfinite(v):
+        return None  # NaN / inf are not JSON: written as null (pandas reads NaN)
+    return v
+
+
+class MetricsLog:
+    """``metrics.jsonl``: one JSON object per step, the whole file rewritten atomically each step.
+
+    A crash never leaves a half-written line: the file on disk is always a complete earlier version.
+    Starting a run truncates the file (``rows`` starts empty).
+    """
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.rows: list[dict[str, Any]] = []
+        atomic_write_text(self.path, "")
+
+    def append(self, row: dict[str, Any]) -> None:
+        self.rows.append({k: _json_value(v) for k, v in row.items()})
+        text = "".join(json.dumps(r, allow_nan=False) + "\n" for r in self.rows)
+        atomic_write_text(self.path, text)

@@ -1,0 +1,73 @@
+"""A tiny word-level tokenizer for the arithmetic task, built locally with ``tokenizers``.
+
+Vocabulary (ids in this order): ``<pad>`` 0, ``<bos>`` 1, ``<eos>`` 2, ``<unk>`` 3, the ten digits,
+``-``, every word / punctuation token of :mod:`isoexec.rl.task`'s templates, then filler tokens
+``<extra_i>`` up to the next multiple of ``multiple`` (64). The filler makes the tokenizer's vocabulary
+exactly the model's ``vocab_size``, so any id the model samples decodes (vLLM detokenizes every
+sampled id, including ones that no training example ever used).
+
+Pre-tokenization: split on whitespace, punctuation alone, and numbers digit by digit, so
+``"17 apples."`` is ``["1", "7", "apples", "."]``. Saved in Hugging Face format (``tokenizer.json``,
+``tokenizer_config.json``, ``special_tokens_map.json``) through ``PreTrainedTokenizerFast`` so that
+transformers and vLLM load it from the checkpoint directory.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+from transformers import PreTrainedTokenizerFast
+
+from isoexec.rl.task import template_words
+
+PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
+SPECIALS = [PAD, BOS, EOS, UNK]
+DIGITS = [str(i) for i in range(10)]
+
+
+def vocab_list(multiple: int = 64) -> list[str]:
+    """The vocabulary in id order, padded with ``<extra_i>`` to a multiple of ``multiple``."""
+    words = SPECIALS + DIGITS + ["-"] + [w for w in template_words() if w not in DIGITS and w != "-"]
+    size = -(-len(words) // multiple) * multiple
+    return words + [f"<extra_{i}>" for i in range(size - len(words))]
+
+
+def build_tokenizer(multiple: int = 64) -> PreTrainedTokenizerFast:
+    """Build the task tokenizer (prepends ``<bos>`` when ``add_special_tokens=True``)."""
+    vocab = {w: i for i, w in enumerate(vocab_list(multiple))}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Punctuation(), pre_tokenizers.Digits(individual_digits=True)]
+    )
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, vocab[BOS])]
+    )
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with single spaces
+    tok.add_special_tokens(SPECIALS)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        unk_token=UNK,
+        model_max_length=4096,
+        padding_side="right",
+    )
+
+
+def save_tokenizer(out_dir: str | Path, multiple: int = 64) -> PreTrainedTokenizerFast:
+    """Build the tokenizer and save it in Hugging Face format into ``out_dir``; return it."""
+    tok = build_tokenizer(multiple)
+    tok.save_pretrained(str(out_dir))
+    return tok
+
+
+def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
+    """Load the tokenizer saved next to a checkpoint."""
+    return PreTrainedTokenizerFast.from_pretrained(str(path))
+
+
+def encode_prompt(tok: PreTrainedTokenizerFast, prompt: str) -> list[int]:
+    """Token ids of ``prompt`` with ``<bos>`` prepended (what the engine receives)."""
+    return tok(prompt, add_special_tokens=True)["input_ids"]

@@ -1,0 +1,79 @@
+"""Mixed-precision AdamW with fp32 master weights, shared by both trainers.
+
+The model's parameters stay in their compute dtype (bf16 for the checkpoints here); this optimizer
+keeps an fp32 master copy of each, steps AdamW on the masters with the fp32-cast gradients, and
+writes the rounded masters back into the model. The weights sent to the engine are therefore the
+model's parameters themselves (``bf16(master)``), identical in both modes for identical updates.
+
+Both trainers expose their parameters under the Hugging Face names (``named_parameters()``), so one
+optimizer instance type updates the transformers model and the unified model alike.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+
+
+class MasterAdamW:
+    """AdamW on fp32 master copies of ``named_params``, with global grad-norm clipping.
+
+    Args:
+        named_params: ``(name, parameter)`` pairs; parameters of any float dtype, ``requires_grad``.
+        lr, betas, eps, weight_decay: AdamW hyper-parameters (decoupled weight decay).
+        max_grad_norm: clip the global L2 norm of the gradients to this value (<= 0: no clipping).
+    """
+
+    def __init__(
+        self,
+        named_params: Iterable[tuple[str, torch.nn.Parameter]],
+        lr: float,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        max_grad_norm: float = 1.0,
+    ):
+        self.params = dict(named_params)
+        for p in self.params.values():
+            p.requires_grad_(True)
+        self.master = {n: p.detach().to(torch.float32).clone() for n, p in self.params.items()}
+        self.opt = torch.optim.AdamW(
+            list(self.master.values()), lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=False
+        )
+        self.max_grad_norm = max_grad_norm
+
+    def zero_grad(self) -> None:
+        for p in self.params.values():
+            p.grad = None
+
+    @torch.no_grad()
+    def step(self) -> float:
+        """One update from the gradients accumulated on the model's parameters.
+
+        Returns:
+            The global gradient L2 norm before clipping (``nan``/``inf`` skips the update).
+        """
+        grads = {n: (p.grad.to(torch.float32) if p.grad is not None else None) for n, p in self.params.items()}
+        present = [g for g in grads.values() if g is not None]
+        norm = 0.0
+        if present:
+            norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in present])))
+        if not math.isfinite(norm):
+            self.zero_grad()
+            return norm
+        scale = min(1.0, self.max_grad_norm / (norm + 1e-6)) if self.max_grad_norm > 0 else 1.0
+        for n, m in self.master.items():
+            g = grads[n]
+            m.grad = None if g is None else g * scale
+        self.opt.step()
+        for n, p in self.params.items():
+            p.copy_(self.master[n].to(p.dtype))
+            self.master[n].grad = None
+        self.zero_grad()
+        return norm
+
+    def state_dict_for_sync(self) -> dict[str, torch.Tensor]:
+        """The model's current parameters (compute dtype, HF names), detached: what the engine loads."""
+        return {n: p.detach() for n, p in self.params.items()}
