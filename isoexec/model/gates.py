@@ -169,43 +169,61 @@ def gates_csv(results: list[GateResult]) -> str:
     return buf.getvalue()
 
 
-def gates_command(config: str = "experiments/cpu-tiny.yaml", out_dir: str | None = None, threads: int = 1) -> None:
-    """Run the bitwise gate matrix of an experiment: writes contract.json, gates.csv and gates.provenance.json.
+def gate_matrix(cfg, log=print):
+    """Every gate for each dtype in ``cfg.gates.dtypes`` and both kernel sets, on ``cfg.device``.
 
-    Exits non-zero when an isoexec cell is not bitwise equal (the contract's tolerance is 0.0).
+    Returns (results, contract of the isoexec model in the experiment's dtype). ``log`` gets one line per cell.
     """
-    import json
-    from pathlib import Path
-
-    import typer
-
-    from isoexec.config import load_config
-    from isoexec.contract import save
-    from isoexec.io import atomic_write_text
     from isoexec.model.build import random_model
-    from isoexec.provenance import provenance
 
-    torch.set_num_threads(threads)
-    cfg = load_config(config)
-    out = Path(out_dir) if out_dir else cfg.out_dir
     vocab = cfg.model.vocab_size or 256
     results: list[GateResult] = []
     contract = None
     for dtype in cfg.gates.dtypes:
         for ks in ("isoexec", "native"):
-            model = random_model(cfg.model, cfg.kernels, ks, vocab_size=vocab, seed=cfg.gates.seed, dtype=getattr(torch, dtype))
+            model = random_model(cfg.model, cfg.kernels, ks, vocab_size=vocab, seed=cfg.gates.seed,
+                                 dtype=getattr(torch, dtype), device=cfg.device)
             if ks == "isoexec" and dtype == cfg.model.dtype:
                 contract = model.contract()
             cells = run_gates(model, cfg.gates, cfg.kernels.chunk_size, ks, dtype)
             for c in cells:
-                typer.echo(f"{c.kernel_set:8s} {c.dtype:9s} {c.gate:18s} {c.case_a:26s} vs {c.case_b:40s} "
-                           f"{'EQUAL' if c.bitwise_equal else 'differ'}  max|d|={c.max_abs_diff:.3e}")
+                log(f"{c.kernel_set:8s} {c.dtype:9s} {c.gate:18s} {c.case_a:26s} vs {c.case_b:40s} "
+                    f"{'EQUAL' if c.bitwise_equal else 'differ'}  max|d|={c.max_abs_diff:.3e}")
             results += cells
+            del model
+    return results, contract
+
+
+def write_gate_outputs(out, results: list[GateResult], contract) -> None:
+    """Write ``contract.json``, ``gates.csv`` and ``gates.provenance.json`` into ``out`` (each atomically)."""
+    import json
+
+    from isoexec.contract import save
+    from isoexec.io import atomic_write_text
+    from isoexec.provenance import provenance
+
     out.mkdir(parents=True, exist_ok=True)
     if contract is not None:
         save(contract, out / "contract.json")
     atomic_write_text(out / "gates.csv", gates_csv(results))
     atomic_write_text(out / "gates.provenance.json", json.dumps(provenance(), indent=2, sort_keys=True) + "\n")
+
+
+def gates_command(config: str = "experiments/cpu-tiny.yaml", out_dir: str | None = None, threads: int = 1) -> None:
+    """Run the bitwise gate matrix of an experiment: writes contract.json, gates.csv and gates.provenance.json.
+
+    Exits non-zero when an isoexec cell is not bitwise equal (the contract's tolerance is 0.0).
+    """
+    from pathlib import Path
+
+    import typer
+
+    from isoexec.config import load_config
+
+    torch.set_num_threads(threads)
+    cfg = load_config(config)
+    results, contract = gate_matrix(cfg, typer.echo)
+    write_gate_outputs(Path(out_dir) if out_dir else cfg.out_dir, results, contract)
     bad = [r for r in results if r.kernel_set == "isoexec" and not r.bitwise_equal]
     controls = [r for r in results if r.kernel_set == "native" and not r.bitwise_equal]
     typer.echo(f"isoexec cells not equal: {len(bad)}; native cells that differ (negative controls): {len(controls)}")
