@@ -79,6 +79,10 @@ def bench_command(
 
     torch.set_num_threads(threads)
     cfg = load_config(config)
+    if cfg.device == "cuda":  # issue 6: Triton kernel set, kernel/CPR/model benchmarks on the GPU
+        from isoexec.report.gpu_bench import gpu_bench_command
+
+        return gpu_bench_command(config, out_dir, "bench")
     vocab = cfg.model.vocab_size or 256
     models = {ks: random_model(cfg.model, cfg.kernels, ks, vocab_size=vocab, device=cfg.device) for ks in ("isoexec", "native")}
     gen = torch.Generator().manual_seed(0)
