@@ -115,7 +115,7 @@ def run_mode(
         t1 = time.perf_counter()
         samples = engine.generate(
             prompts, n=1, max_tokens=MAX_TOKENS, seed=seed, temperature=cfg.kernels.temperature,
-            full_vocab_every=e.rollout_check_full_vocab_every,
+            full_vocab_every=e.rollout_check_full_vocab_every, ignore_eos=True,
         )
         gen_s = time.perf_counter() - t1
         routing = engine.cache_state() if mode == "isoexec" else None
@@ -130,6 +130,9 @@ def run_mode(
 
         trainer = HFPolicy.from_pretrained(checkpoint, temperature=cfg.kernels.temperature)
     res = compare(mode, samples, prompts, trainer)
+    if res["tokens"] < e.rollout_check_tokens:
+        raise RuntimeError(f"{mode}: sampled {res['tokens']} response tokens, fewer than "
+                           f"engine.rollout_check_tokens={e.rollout_check_tokens}")
     res.update(
         prompt_len_min=min(map(len, prompts)),
         prompt_len_max=max(map(len, prompts)),

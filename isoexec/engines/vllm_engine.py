@@ -143,7 +143,8 @@ class RolloutEngine:
             self.contract = decode(info["contract"])
 
     # -- sampling ----------------------------------------------------------------------------
-    def _sampling_params(self, n: int, max_tokens: int, temperature: float, logprobs: int | None, prompt_logprobs: int | None = None):
+    def _sampling_params(self, n: int, max_tokens: int, temperature: float, logprobs: int | None,
+                         prompt_logprobs: int | None = None, ignore_eos: bool = False):
         from vllm import SamplingParams
 
         if self.mode == "isoexec":
@@ -163,6 +164,7 @@ class RolloutEngine:
             min_p=0.0,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            ignore_eos=ignore_eos,
             detokenize=False,
         )
 
@@ -174,7 +176,7 @@ class RolloutEngine:
         seed: int = 0,
         temperature: float = 1.0,
         full_vocab_every: int = 0,
-        min_tokens: int = 0,
+        ignore_eos: bool = False,
     ) -> list[Sample]:
         """Sample ``n`` responses per prompt, all requests submitted together.
 
@@ -186,19 +188,18 @@ class RolloutEngine:
             temperature: sampling temperature (isoexec: must equal ``kernels.temperature``).
             full_vocab_every: if k > 0, prompts with index % k == 0 also return full-vocabulary
                 logprob rows (``Sample.full_rows``).
-            min_tokens: vLLM ``min_tokens`` (0: none). Refused in isoexec mode if > 0, since the
-                min-tokens processor edits the distribution.
+            ignore_eos: keep sampling past EOS up to ``max_tokens`` (fixed-length responses; the
+                distribution is untouched, unlike vLLM's ``min_tokens``, which masks EOS).
 
         Returns:
             Samples ordered by (prompt_index, sample_index).
         """
-        if min_tokens and self.mode == "isoexec":
-            raise ValueError("isoexec mode: min_tokens edits the sampling distribution; refused")
         self.llm.collective_rpc("isoexec_reseed", args=(int(seed),))
         params, prompts = [], []
         for i, p in enumerate(prompt_token_ids):
             full = full_vocab_every > 0 and i % full_vocab_every == 0
-            params.append(self._sampling_params(n, max_tokens, temperature, self.vocab_size if full else 0))
+            params.append(self._sampling_params(n, max_tokens, temperature, self.vocab_size if full else 0,
+                                                ignore_eos=ignore_eos))
             prompts.append({"prompt_token_ids": [int(t) for t in p]})
         outs = self.llm.generate(prompts, params, use_tqdm=False)
         samples = []
