@@ -31,7 +31,8 @@ def job_counts(output: str) -> dict[str, int]:
 
 
 def test_dry_run_reproduce_covers_every_stage_for_the_default_experiment():
-    r = snakemake("-n", "reproduce")
+    # --forceall: the committed reference results must not hide stages from the plan
+    r = snakemake("-n", "--forceall", "reproduce")
     assert r.returncode == 0, r.stdout + r.stderr
     counts = job_counts(r.stdout)
     assert counts["rl_train"] == 4  # rl.modes x rl.seeds of experiments/cpu-tiny.yaml
@@ -43,7 +44,7 @@ def test_dry_run_reproduce_covers_every_stage_for_the_default_experiment():
 
 
 def test_dry_run_ci_tiny_config_selects_fewer_runs():
-    r = snakemake("-n", "reproduce", "--configfile", "experiments/ci-tiny.yaml")
+    r = snakemake("-n", "--forceall", "reproduce", "--configfile", "experiments/ci-tiny.yaml")
     assert r.returncode == 0, r.stdout + r.stderr
     assert job_counts(r.stdout)["rl_train"] == 2
     assert "results/ci-tiny/rl/isoexec/seed0/metrics.jsonl" in r.stdout
