@@ -27,17 +27,9 @@ _COMMANDS = [
 ]
 
 for _mod, _attr, _name in _GROUPS:
-    try:
-        app.add_typer(getattr(importlib.import_module(_mod), _attr), name=_name)
-    except ModuleNotFoundError as e:  # a layer not built yet must not break the others
-        if e.name != _mod:
-            raise
+    app.add_typer(getattr(importlib.import_module(_mod), _attr), name=_name)
 for _mod, _attr, _name in _COMMANDS:
-    try:
-        app.command(_name)(getattr(importlib.import_module(_mod), _attr))
-    except ModuleNotFoundError as e:
-        if e.name != _mod:
-            raise
+    app.command(_name)(getattr(importlib.import_module(_mod), _attr))
 
 
 if __name__ == "__main__":
