@@ -39,14 +39,7 @@ def iso_moe(
     """
     dtype = x.dtype
     logits = iso_linear(x, router_w, row_tile)  # [N, E] boundary dtype, as HF's bf16 router linear
-    lf = logits.float()
-    e = torch.exp(lf - lf.amax(dim=-1, keepdim=True))
-    probs = e / tree_sum(e, dim=-1, keepdim=True)
-    top_val, top_idx = torch.sort(probs, dim=-1, descending=True, stable=True)
-    top_val, top_idx = top_val[:, :top_k], top_idx[:, :top_k]
-    if norm_topk_prob:
-        top_val = top_val / tree_sum(top_val, dim=-1, keepdim=True)
-    top_val = top_val.to(dtype)
+    top_val, top_idx = iso_route(logits, top_k, norm_topk_prob)
     # Expert outputs per (token, rank), each row computed independently of the others.
     y = x.new_zeros((x.shape[0], top_k, x.shape[1]), dtype=torch.float32)
     for eid, (wg, wu, wd) in enumerate(experts):
@@ -61,6 +54,28 @@ def iso_moe(
     s = _iso_swiglu(x, *shared, row_tile).float()
     gate = sigmoid(iso_linear(x, shared_gate_w, row_tile).float())
     return (out + gate * s).to(dtype)
+
+
+def iso_route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Deterministic router (region ``moe.router`` after its GEMM), row by row.
+
+    Softmax in fp32 (``exp`` and a fixed tree sum), top-k by a stable descending sort (ties go to
+    the lower expert id), optional renormalisation by a tree sum.
+
+    Args:
+        logits: ``[N, E]`` router logits (any float dtype; the weights come back in this dtype).
+
+    Returns:
+        (weights ``[N, top_k]`` in ``logits.dtype``, expert ids ``[N, top_k]`` int64), rank 0 first.
+    """
+    lf = logits.float()
+    e = torch.exp(lf - lf.amax(dim=-1, keepdim=True))
+    probs = e / tree_sum(e, dim=-1, keepdim=True)
+    top_val, top_idx = torch.sort(probs, dim=-1, descending=True, stable=True)
+    top_val, top_idx = top_val[:, :top_k], top_idx[:, :top_k]
+    if norm_topk_prob:
+        top_val = top_val / tree_sum(top_val, dim=-1, keepdim=True)
+    return top_val.to(logits.dtype), top_idx
 
 
 def _iso_swiglu(x, wg, wu, wd, row_tile):

@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from isoexec.contract import CASES
 from isoexec.kernels import attention, dense, logprob, moe
 from isoexec.kernels.gdn import cpr, native as gdn_native
 

@@ -331,7 +331,6 @@ def model_table(cfg, log=print, batch=8, seq_len=1024, decode_seqs=64, decode_st
             "engine_decode": timed(decode),
         }
         log(f"model {ks}: {res[ks]}")
-        del model
         torch.cuda.empty_cache()
     hf = {}
     try:

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from isoexec.kernels.primitives import sigmoid, silu, tree_sum
+from isoexec.kernels.moe import iso_route
+from isoexec.kernels.primitives import sigmoid, silu
 from isoexec.kernels.triton.gemm import grouped_linear, linear
 
 _STACK_CACHE: dict = {}
@@ -40,13 +41,7 @@ def moe(x, router_w, experts, shared, shared_gate_w, top_k: int, norm_topk_prob:
     dtype = x.dtype
     n, hdim = x.shape
     E = len(experts)
-    logits = linear(x, router_w).float()
-    e = torch.exp(logits - logits.amax(dim=-1, keepdim=True))
-    probs = e / tree_sum(e, dim=-1, keepdim=True)
-    top_val, top_idx = torch.sort(probs, dim=-1, descending=True, stable=True)
-    top_val, top_idx = top_val[:, :top_k], top_idx[:, :top_k]
-    if norm_topk_prob:
-        top_val = top_val / tree_sum(top_val, dim=-1, keepdim=True)
+    top_val, top_idx = iso_route(linear(x, router_w).float(), top_k, norm_topk_prob)
     top_val = top_val.to(dtype)
     flat = top_idx.reshape(-1)  # (token, rank) pairs in token-major order
     order = torch.sort(flat, stable=True).indices
