@@ -98,3 +98,36 @@ def test_native_gates_detect_differences(tiny_sections, dtype):
     differ = {(c.gate, c.case_b.split("[")[0]) for c in cells if not c.bitwise_equal}
     assert ("cases", "engine_decode") in differ
     assert ("prefill_split", "engine_prefill") in differ
+
+
+def test_qwen3_5_moe_text_checkpoint_loads_and_matches_transformers(tmp_path, tiny_sections):
+    """Qwen3.5's text model (separate GDN projections, M-RoPE on text positions) in fp32."""
+    from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+
+    import transformers.models.qwen3_5_moe.modeling_qwen3_5_moe as M5
+
+    from isoexec.kernels.gdn import native
+
+    base = hf_config(tiny_sections[0], vocab_size=96).to_dict()
+    keep = {k: base[k] for k in ("vocab_size", "hidden_size", "num_hidden_layers", "layer_types", "num_attention_heads",
+                                 "num_key_value_heads", "head_dim", "linear_num_key_heads", "linear_num_value_heads",
+                                 "linear_key_head_dim", "linear_value_head_dim", "num_experts", "num_experts_per_tok",
+                                 "moe_intermediate_size", "shared_expert_intermediate_size")}
+    torch.manual_seed(0)
+    hf = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**keep)).float().eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    hf.save_pretrained(tmp_path)
+    model = UnifiedModel.from_pretrained(tmp_path, dtype=torch.float32)
+    assert "model.layers.0.linear_attn.in_proj_qkv.weight" in dict(model.named_parameters())
+    ids = torch.randint(0, 96, (50,), generator=torch.Generator().manual_seed(1))
+    orig = M5.torch_chunk_gated_delta_rule
+    M5.torch_chunk_gated_delta_rule = native.torch_chunk_gated_delta_rule
+    try:
+        with torch.no_grad():
+            ref = torch.log_softmax(hf(ids[None]).logits[0].float(), -1)
+    finally:
+        M5.torch_chunk_gated_delta_rule = orig
+    assert (model.trainer_logprobs(ids, torch.tensor([0, 50])) - ref).abs().max() < 1e-4

@@ -1,4 +1,5 @@
-"""Hugging Face checkpoint I/O for the unified model (``Qwen3NextForCausalLM`` layout).
+"""Hugging Face checkpoint I/O for the unified model (``Qwen3NextForCausalLM`` and the text model of
+``Qwen3_5MoeForCausalLM`` / ``Qwen3_5MoeForConditionalGeneration``).
 
 On disk, transformers (5.x) and vLLM use per-expert names
 (``model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight``); transformers' in-memory modules
@@ -18,19 +19,23 @@ from safetensors.torch import load_file, save_file
 
 from isoexec.io import atomic_write_text
 
-SUPPORTED_ARCHITECTURES = ("Qwen3NextForCausalLM",)
+SUPPORTED_ARCHITECTURES = ("Qwen3NextForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration")
 _FUSED = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 
 
 def to_checkpoint_names(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Split transformers' fused expert tensors into per-expert on-disk names; drop ``mtp.*``.
+    """Split transformers' fused expert tensors into per-expert on-disk names; drop ``mtp.*`` and the
+    vision tower of a Qwen3.5 multimodal checkpoint, whose text model moves from
+    ``model.language_model.*`` to ``model.*``.
 
     Other names pass through unchanged. Tensors are not copied unless split.
     """
     out: dict[str, torch.Tensor] = {}
     for name, t in state_dict.items():
-        if name.startswith("mtp."):
+        if name.startswith(("mtp.", "model.visual.")):
             continue
+        if name.startswith("model.language_model."):
+            name = "model." + name[len("model.language_model."):]
         m = _FUSED.match(name)
         if not m:
             out[name] = t
@@ -51,7 +56,7 @@ def read_config(path: str | Path):
 
     Raises:
         FileNotFoundError: no ``config.json``. ValueError: an architecture other than
-            ``Qwen3NextForCausalLM`` (the message names it and what is supported).
+            the supported ones (the message names it and what is supported).
     """
     from transformers import AutoConfig
 
@@ -61,7 +66,11 @@ def read_config(path: str | Path):
     archs = json.loads((path / "config.json").read_text()).get("architectures") or []
     if not any(a in SUPPORTED_ARCHITECTURES or a.startswith("IsoExec") for a in archs):
         raise ValueError(f"{path}: architectures {archs} not supported; supported: {list(SUPPORTED_ARCHITECTURES)}")
-    return AutoConfig.from_pretrained(path)
+    cfg = AutoConfig.from_pretrained(path)
+    if hasattr(cfg, "text_config") and "Qwen3_5MoeForConditionalGeneration" in archs:
+        cfg = cfg.text_config  # the text model of a Qwen3.5 multimodal checkpoint
+        cfg.architectures = ["Qwen3_5MoeForCausalLM"]
+    return cfg
 
 
 def read_weights(path: str | Path) -> dict[str, torch.Tensor]:

@@ -48,7 +48,8 @@ class _MoE(nn.Module):
         self.experts = nn.ModuleList([_MLP(h, cfg.moe_intermediate_size) for _ in range(cfg.num_experts)])
         self.shared_expert = _MLP(h, cfg.shared_expert_intermediate_size)
         self.shared_expert_gate = _W(1, h)
-        self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        # Qwen3.5 always renormalises the top-k weights (no norm_topk_prob field)
+        self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, getattr(cfg, "norm_topk_prob", True)
 
     def forward(self, ks: KernelSet, x):
         return ks.moe(
@@ -111,8 +112,14 @@ class _GatedDeltaNet(nn.Module):
         key_dim, value_dim = self.hk * self.dk, self.hv * self.dv
         self.conv_dim = 2 * key_dim + value_dim
         h = cfg.hidden_size
-        self.in_proj_qkvz = _W(2 * key_dim + 2 * value_dim, h)
-        self.in_proj_ba = _W(2 * self.hv, h)
+        # Qwen3-Next fuses [q|k|v|z] and [b|a] per key-head group; Qwen3.5 keeps four projections.
+        self.separate_proj = str(getattr(cfg, "model_type", "")).startswith("qwen3_5")
+        if self.separate_proj:
+            self.in_proj_qkv, self.in_proj_z = _W(2 * key_dim + value_dim, h), _W(value_dim, h)
+            self.in_proj_b, self.in_proj_a = _W(self.hv, h), _W(self.hv, h)
+        else:
+            self.in_proj_qkvz = _W(2 * key_dim + 2 * value_dim, h)
+            self.in_proj_ba = _W(2 * self.hv, h)
         self.conv1d = _W(self.conv_dim, 1, self.kc)
         self.dt_bias = nn.Parameter(torch.ones(self.hv))
         self.A_log = nn.Parameter(torch.zeros(self.hv))
@@ -128,10 +135,18 @@ class _GatedDeltaNet(nn.Module):
         b, a = torch.split(ba.view(n, self.hk, 2 * r), [r, r], dim=-1)
         return q, k, v.reshape(n, self.hv, self.dv), z.reshape(n, self.hv, self.dv), b.reshape(n, self.hv), a.reshape(n, self.hv)
 
+    def _project(self, ks: KernelSet, x):
+        """(mixed q|k|v ``[N, conv_dim]``, z ``[N, Hv, Dv]``, b ``[N, Hv]``, a ``[N, Hv]``)."""
+        n = x.shape[0]
+        if self.separate_proj:
+            z = ks.linear(x, self.in_proj_z.weight).view(n, self.hv, self.dv)
+            return ks.linear(x, self.in_proj_qkv.weight), z, ks.linear(x, self.in_proj_b.weight), ks.linear(x, self.in_proj_a.weight)
+        q, k, v, z, b, a = self._split(ks.linear(x, self.in_proj_qkvz.weight), ks.linear(x, self.in_proj_ba.weight))
+        return torch.cat([q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)], dim=-1), z, b, a
+
     def forward(self, ks: KernelSet, x, batch: "_Batch"):
         n, dtype = x.shape[0], x.dtype
-        q, k, v, z, b, a = self._split(ks.linear(x, self.in_proj_qkvz.weight), ks.linear(x, self.in_proj_ba.weight))
-        mixed = torch.cat([q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)], dim=-1)
+        mixed, z, b, a = self._project(ks, x)
         w = self.conv1d.weight.squeeze(1)
         conv_out = []
         for rows, cache in zip(batch.seq_rows, batch.caches):
@@ -218,7 +233,8 @@ class UnifiedModel(nn.Module):
     """The unified model. Build with :meth:`from_pretrained` or ``UnifiedModel(hf_config, kernel_set)``.
 
     Args:
-        config: a transformers ``Qwen3NextConfig`` (or the text config of ``Qwen3_5MoeConfig``).
+        config: a transformers ``Qwen3NextConfig`` or ``Qwen3_5MoeTextConfig`` (Qwen3.5's GDN keeps
+            separate ``in_proj_qkv / z / b / a``; text-only positions make its M-RoPE plain RoPE).
         kernels: the :class:`~isoexec.kernels.KernelSet` every region runs through.
         dtype: parameter and boundary dtype (bf16 or fp32).
     """
@@ -391,7 +407,7 @@ class UnifiedModel(nn.Module):
 
         cfg = {k: v for k, v in sorted(self.config.to_dict().items()) if k not in _NON_SEMANTIC_CONFIG_KEYS}
         model = {
-            "architecture": "Qwen3NextForCausalLM",
+            "architecture": (self.config.architectures or ["Qwen3NextForCausalLM"])[0],
             "config_sha256": hashlib.sha256(json.dumps(cfg, sort_keys=True, default=str).encode()).hexdigest(),
             "param_dtype": str(self.dtype).replace("torch.", ""),
         }
