@@ -2,7 +2,8 @@
 
 Commands: ``contract show|diff|verify`` (isoexec.contract.cli), ``gates`` and ``bench``
 (isoexec.model.gates, isoexec.report.bench), ``rollout-check`` (isoexec.engines.rollout_check),
-``rl ...`` (isoexec.rl.cli), ``report ...`` (isoexec.report.cli).
+``rl ...`` (isoexec.rl.cli), ``report ...`` (isoexec.report.cli), ``pik-check``
+(isoexec.kernels.pik: TP-invariant row-parallel GEMM over gloo).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ _COMMANDS = [
     ("isoexec.model.gates", "gates_command", "gates"),
     ("isoexec.report.bench", "bench_command", "bench"),
     ("isoexec.engines.rollout_check", "rollout_check_command", "rollout-check"),
+    ("isoexec.kernels.pik", "pik_check_command", "pik-check"),
 ]
 
 for _mod, _attr, _name in _GROUPS:
