@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, ValidationError, model_validator
 
 
 class _Section(BaseModel):
@@ -22,115 +22,115 @@ class ModelSection(_Section):
     """Architecture of the Qwen3-Next text model (field names as in transformers' ``Qwen3NextConfig``)."""
 
     vocab_size: int | None = Field(None, description="None: taken from the task's tokenizer (rounded up to 64)")
-    hidden_size: int = 128
-    num_hidden_layers: int = 4
+    hidden_size: PositiveInt = 128
+    num_hidden_layers: PositiveInt = 4
     layer_types: list[Literal["linear_attention", "full_attention"]] | None = None
-    full_attention_interval: int = 4
-    num_attention_heads: int = 2
-    num_key_value_heads: int = 1
-    head_dim: int = 64
+    full_attention_interval: PositiveInt = 4
+    num_attention_heads: PositiveInt = 2
+    num_key_value_heads: PositiveInt = 1
+    head_dim: PositiveInt = 64
     partial_rotary_factor: float = 0.25
-    rope_theta: float = 10000.0
-    rms_norm_eps: float = 1e-6
-    max_position_embeddings: int = 4096
-    linear_num_key_heads: int = 2
-    linear_num_value_heads: int = 4
-    linear_key_head_dim: int = 128
-    linear_value_head_dim: int = 128
-    linear_conv_kernel_dim: int = 4
-    num_experts: int = 4
-    num_experts_per_tok: int = 2
-    moe_intermediate_size: int = 64
-    shared_expert_intermediate_size: int = 64
+    rope_theta: PositiveFloat = 10000.0
+    rms_norm_eps: PositiveFloat = 1e-6
+    max_position_embeddings: PositiveInt = 4096
+    linear_num_key_heads: PositiveInt = 2
+    linear_num_value_heads: PositiveInt = 4
+    linear_key_head_dim: PositiveInt = 128
+    linear_value_head_dim: PositiveInt = 128
+    linear_conv_kernel_dim: PositiveInt = 4
+    num_experts: PositiveInt = 4
+    num_experts_per_tok: PositiveInt = 2
+    moe_intermediate_size: PositiveInt = 64
+    shared_expert_intermediate_size: PositiveInt = 64
     norm_topk_prob: bool = True
     tie_word_embeddings: bool = False
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
-    init_std: float = 0.02
+    init_std: PositiveFloat = 0.02
 
 
 class KernelSection(_Section):
     """Kernel set and the constants it pins (all enter the contract's ``numerical_policy``)."""
 
     set: Literal["isoexec", "native"] = "isoexec"
-    chunk_size: int = Field(64, description="CPR Gated DeltaNet chunk size C")
-    row_tile: int = Field(16, description="rows per GEMM tile; every GEMM call has this many rows")
-    kv_block: int = Field(64, description="attention KV block size in absolute positions")
-    vocab_block: int = Field(256, description="vocabulary block of the logprob reduction")
-    temperature: float = Field(1.0, description="policy temperature applied to logits before the softmax")
+    chunk_size: PositiveInt = Field(64, description="CPR Gated DeltaNet chunk size C")
+    row_tile: PositiveInt = Field(16, description="rows per GEMM tile; every GEMM call has this many rows")
+    kv_block: PositiveInt = Field(64, description="attention KV block size in absolute positions")
+    vocab_block: PositiveInt = Field(256, description="vocabulary block of the logprob reduction")
+    temperature: PositiveFloat = Field(1.0, description="policy temperature applied to logits before the softmax")
 
 
 class GatesSection(_Section):
     dtypes: list[Literal["bfloat16", "float32"]] = ["bfloat16", "float32"]
     batch_sizes: list[int] = [1, 2, 4, 8, 16]
     micro_batch_sizes: list[int] = [1, 2, 4, 8]
-    min_len: int = 8
-    max_len: int = 200
-    decode_steps: int = 200
+    min_len: PositiveInt = 8
+    max_len: PositiveInt = 200
+    decode_steps: PositiveInt = 200
     seed: int = 0
 
 
 class TaskSection(_Section):
     """Procedurally generated arithmetic word problems with integer answers."""
 
-    max_operand: int = 20
-    num_train_prompts: int = 2000
-    num_eval_prompts: int = 64
+    max_operand: PositiveInt = 20
+    num_train_prompts: PositiveInt = 2000
+    num_eval_prompts: PositiveInt = 64
     seed: int = 0
 
 
 class SFTSection(_Section):
-    steps: int = 200
-    batch_size: int = 32
-    lr: float = 3e-3
+    steps: NonNegativeInt = 200
+    batch_size: PositiveInt = 32
+    lr: PositiveFloat = 3e-3
     target_accuracy: tuple[float, float] = (0.10, 0.60)
-    min_steps: int = Field(30, description="no early stop before this many steps")
-    eval_every: int = Field(10, description="measure eval accuracy every this many steps (and at the end)")
-    eval_samples: int = Field(4, description="sampled responses per eval prompt (at rl.temperature)")
-    warmup_steps: int = Field(10, description="linear learning-rate warm-up")
+    min_steps: NonNegativeInt = Field(30, description="no early stop before this many steps")
+    eval_every: PositiveInt = Field(10, description="measure eval accuracy every this many steps (and at the end)")
+    eval_samples: PositiveInt = Field(4, description="sampled responses per eval prompt (at rl.temperature)")
+    warmup_steps: NonNegativeInt = Field(10, description="linear learning-rate warm-up")
     seed: int = Field(0, description="batch order of the SFT data and the eval sampling seed")
 
 
 class RLSection(_Section):
     """GRPO with DAPO's choices: group size n, token-level loss, clip-higher, no KL term."""
 
-    steps: int = 20
-    seeds: list[int] = [0, 1]
-    modes: list[Literal["native", "isoexec"]] = ["native", "isoexec"]
-    prompts_per_step: int = 8
-    group_size: int = 8
-    max_new_tokens: int = 16
-    temperature: float = 1.0
-    lr: float = 1e-4
-    clip_low: float = 0.2
-    clip_high: float = 0.28
-    full_vocab_kl_positions: int = 32
-    pass_k: int = 4
+    steps: NonNegativeInt = 20
+    seeds: list[NonNegativeInt] = Field([0, 1], min_length=1)
+    modes: list[Literal["native", "isoexec"]] = Field(["native", "isoexec"], min_length=1)
+    prompts_per_step: PositiveInt = 8
+    group_size: PositiveInt = 8
+    max_new_tokens: PositiveInt = 16
+    temperature: PositiveFloat = 1.0
+    lr: PositiveFloat = 1e-4
+    clip_low: NonNegativeFloat = 0.2
+    clip_high: NonNegativeFloat = 0.28
+    full_vocab_kl_positions: PositiveInt = 32
+    pass_k: PositiveInt = 4
     advantage_std_norm: bool = Field(True, description="divide group advantages by the group's reward std")
     dynamic_sampling: bool = Field(False, description="DAPO: drop groups whose rewards are all equal from the update")
-    mini_batches: int = Field(1, description="optimizer updates per step (the batch split by groups); >1 makes clipping active")
+    mini_batches: PositiveInt = Field(1, description="optimizer updates per step (the batch split by groups); >1 makes clipping active")
     max_grad_norm: float = Field(1.0, description="global grad-norm clip (<= 0: none)")
-    weight_decay: float = 0.0
+    weight_decay: NonNegativeFloat = 0.0
 
 
 class EngineSection(_Section):
     """vLLM engine settings (CPU build here)."""
 
-    max_num_seqs: int = 64
-    max_model_len: int = 512
+    max_num_seqs: PositiveInt = 64
+    max_model_len: PositiveInt = 512
     enable_chunked_prefill: bool = True
-    max_num_batched_tokens: int = 256
+    max_num_batched_tokens: PositiveInt = 256
     enable_prefix_caching: bool = False
-    rollout_check_tokens: int = 2000
+    rollout_check_tokens: PositiveInt = 2000
     num_kv_blocks_override: int | None = Field(
         None, description="vLLM num_gpu_blocks_override: a small KV block budget forces preemption"
     )
-    rollout_check_full_vocab_every: int = Field(
+    rollout_check_full_vocab_every: PositiveInt = Field(
         4, description="rollout-check: every k-th request returns full-vocabulary logprob rows"
     )
 
 
 class ExperimentConfig(_Section):
-    name: str
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", description="results/<name>/: letters, digits, _ . -")
     device: Literal["cpu", "cuda"] = "cpu"
     results_dir: str | None = None
     model: ModelSection = ModelSection()
@@ -141,10 +141,46 @@ class ExperimentConfig(_Section):
     rl: RLSection = RLSection()
     engine: EngineSection = EngineSection()
 
+    @model_validator(mode="after")
+    def _cross_checks(self) -> "ExperimentConfig":
+        problems = []
+        m = self.model
+        if m.num_experts_per_tok > m.num_experts:
+            problems.append(f"model.num_experts_per_tok={m.num_experts_per_tok} > model.num_experts={m.num_experts}")
+        if m.num_attention_heads % m.num_key_value_heads:
+            problems.append(f"model.num_attention_heads={m.num_attention_heads} is not a multiple of "
+                            f"model.num_key_value_heads={m.num_key_value_heads}")
+        if m.linear_num_value_heads % m.linear_num_key_heads:
+            problems.append(f"model.linear_num_value_heads={m.linear_num_value_heads} is not a multiple of "
+                            f"model.linear_num_key_heads={m.linear_num_key_heads}")
+        if self.kernels.vocab_block & (self.kernels.vocab_block - 1):
+            problems.append(f"kernels.vocab_block={self.kernels.vocab_block} must be a power of two")
+        if self.rl.temperature != self.kernels.temperature:
+            problems.append(f"rl.temperature={self.rl.temperature} must equal kernels.temperature="
+                            f"{self.kernels.temperature} (the contract pins the policy temperature; both modes sample at it)")
+        if self.gates.max_len < self.gates.min_len:
+            problems.append(f"gates.max_len={self.gates.max_len} < gates.min_len={self.gates.min_len}")
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
     @property
     def out_dir(self) -> Path:
         """``results/<name>/`` unless ``results_dir`` overrides it."""
         return Path(self.results_dir or f"results/{self.name}")
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a key given twice in one mapping (YAML would keep the last silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
 
 
 def load_config(path: str | Path) -> ExperimentConfig:
@@ -152,14 +188,15 @@ def load_config(path: str | Path) -> ExperimentConfig:
 
     Raises:
         FileNotFoundError: the file does not exist.
-        ValueError: the YAML is malformed or a key is unknown / has a wrong type; the message names
-            the file and every offending key.
+        ValueError: the YAML is malformed, a key is duplicated or unknown, a value has a wrong type or
+            is out of range, or sections contradict each other; the message names the file and every
+            offending key.
     """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"experiment config {str(path)!r} does not exist")
     try:
-        raw = yaml.safe_load(path.read_text())
+        raw = yaml.load(path.read_text(), Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as e:
         raise ValueError(f"{path}: not valid YAML: {e}") from None
     if not isinstance(raw, dict):

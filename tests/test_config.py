@@ -1,0 +1,60 @@
+"""Experiment config validation: every bad input fails at load, naming the key."""
+
+import pytest
+
+from isoexec.config import load_config
+
+
+def _write(tmp_path, text):
+    p = tmp_path / "exp.yaml"
+    p.write_text(text)
+    return p
+
+
+@pytest.mark.parametrize("name", ["cpu-tiny", "ci-tiny", "h200"])
+def test_shipped_experiments_load(name):
+    assert load_config(f"experiments/{name}.yaml").name == name
+
+
+@pytest.mark.parametrize(
+    "body, key",
+    [
+        ("kernels: {chunk_sise: 64}", "chunk_sise"),  # typo
+        ("kernels: {set: fancy}", "set"),
+        ("kernels: {chunk_size: -8}", "chunk_size"),
+        ("kernels: {row_tile: 0}", "row_tile"),
+        ("kernels: {temperature: 0}", "temperature"),
+        ("kernels: {vocab_block: 100}", "vocab_block"),
+        ("rl: {steps: 0}\n", None),
+        ("rl: {seeds: []}", "seeds"),
+        ("rl: {modes: []}", "modes"),
+        ("rl: {temperature: 0.7}", "rl.temperature"),
+        ("model: {num_experts: 2, num_experts_per_tok: 4}", "num_experts_per_tok"),
+        ("gates: {min_len: 50, max_len: 10}", "gates.max_len"),
+    ],
+)
+def test_bad_values_fail_at_load_naming_the_key(tmp_path, body, key):
+    p = _write(tmp_path, f"name: t\n{body}\n")
+    if key is None:  # rl.steps: 0 is allowed (no RL), negative is not
+        load_config(p)
+        p = _write(tmp_path, "name: t\nrl: {steps: -3}\n")
+        key = "steps"
+    with pytest.raises(ValueError, match=key.replace(".", r"\.")):
+        load_config(p)
+
+
+def test_name_cannot_escape_results(tmp_path):
+    with pytest.raises(ValueError, match="name"):
+        load_config(_write(tmp_path, "name: ../../etc\n"))
+
+
+def test_duplicate_section_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="duplicate key 'engine'"):
+        load_config(_write(tmp_path, "name: t\nengine: {max_num_seqs: 4}\nengine: {max_num_seqs: 8}\n"))
+
+
+def test_missing_file_and_malformed_yaml(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope.yaml"):
+        load_config(tmp_path / "nope.yaml")
+    with pytest.raises(ValueError, match="not valid YAML"):
+        load_config(_write(tmp_path, "name: [unclosed\n"))
