@@ -49,10 +49,14 @@ def git_info(cwd: str | os.PathLike | None = None) -> dict[str, Any]:
 
     Returns:
         ``{"commit": sha or None, "dirty": bool or None}``; both ``None`` without git or outside a repo.
+        ``dirty`` looks at tracked source files only: the committed outputs under ``results/`` are
+        rewritten by the very runs that record this, so they do not count.
     """
     where = Path(cwd) if cwd is not None else Path(__file__).resolve().parent
     commit = _git("rev-parse", "HEAD", cwd=where)
-    status = _git("status", "--porcelain", "--untracked-files=no", cwd=where) if commit else None
+    top = _git("rev-parse", "--show-toplevel", cwd=where) if commit else None
+    status = (_git("status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)results", cwd=Path(top))
+              if top else None)
     return {"commit": commit, "dirty": None if status is None else bool(status)}
 
 
