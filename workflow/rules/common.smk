@@ -78,8 +78,9 @@ FIGURES = expand(
     ext=("png", "pdf"),
 )
 NOTEBOOK = os.path.join(workflow.basedir, "notebooks", "analysis.ipynb")
-# Torch stages use every core (snakemake caps this at --cores and exports OMP_NUM_THREADS to match);
-# it also keeps timed jobs from running beside each other.
+# Every torch stage reserves all cores so that timed stages (RL runs, benchmarks) never run side by
+# side; the stages themselves compute on one torch thread (`isoexec ... --threads 1`, the default),
+# which was the stable choice on the shared 2-core machines.
 ALL_CORES = os.cpu_count() or 1
 
 # The commands (isoexec, and python for papermill/nbconvert) come from the environment snakemake

@@ -2,7 +2,9 @@
 
 
 rule rollout_check:
-    """Engine vs trainer logprobs on sampled rollouts, both modes."""
+    """Engine vs trainer logprobs on sampled rollouts, both modes, on the pipeline's initial model."""
+    input:
+        f"{RUNS}/model/init",
     output:
         report(
             f"{RES}/rollout_check.json",
@@ -20,4 +22,4 @@ rule rollout_check:
         config=CONFIGFILE,
         settings=settings_digest("device", "model", "kernels", "task", "engine"),
     shell:
-        "isoexec rollout-check --config {params.config} > {log} 2>&1"
+        "isoexec rollout-check --config {params.config} --checkpoint {input} > {log} 2>&1"
