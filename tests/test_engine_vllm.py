@@ -64,7 +64,6 @@ def toy_trainer(ckpt):
 
 @pytest.fixture(scope="module")
 def iso_engine(ckpt):
-    pytest.importorskip("isoexec.model", reason="isoexec.model.UnifiedModel not available yet")
     e = RolloutEngine(ckpt, "isoexec", ENGINE, KernelSection())
     yield e
     e.shutdown()

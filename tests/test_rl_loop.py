@@ -83,8 +83,9 @@ def test_sft_smoke_writes_a_bf16_checkpoint_and_metrics(cfg, ckpt, tmp_path):
 def test_isoexec_trainer_with_a_local_engine_of_the_same_unified_model_is_bitwise(cfg, ckpt, tmp_path):
     """Rollout logprobs come from growing prefixes in mixed batches, the trainer scores whole
     sequences: the unified model gives the same bits anyway (mismatch 0, k3 exactly 0)."""
-    model = pytest.importorskip("isoexec.model")
-    load = lambda: model.UnifiedModel.from_pretrained(ckpt, kernel_set="isoexec", kernels=cfg.kernels)  # noqa: E731
+    from isoexec.model import UnifiedModel
+
+    load = lambda: UnifiedModel.from_pretrained(ckpt, kernel_set="isoexec", kernels=cfg.kernels)  # noqa: E731
     engine = LocalEngine(load(), load_tokenizer(ckpt).eos_token_id)
     rows = run_rl(cfg, "isoexec", 0, ckpt, tmp_path / "iso", engine=engine, policy=load(), command="test")
     for r in rows:

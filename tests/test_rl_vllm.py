@@ -54,7 +54,6 @@ def test_native_rl_steps_with_vllm_show_a_mismatch(ckpt, tmp_path):
 
 
 def test_isoexec_rl_steps_with_vllm_are_bitwise(ckpt, tmp_path):
-    pytest.importorskip("isoexec.model", reason="isoexec.model.UnifiedModel not available yet")
     rows = _run("isoexec", ckpt, tmp_path / "isoexec")
     for r in rows:
         assert r["mismatch_count"] == 0 and r["logprob_abs_diff_max"] == 0.0 and r["k3_kl"] == 0.0

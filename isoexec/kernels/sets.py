@@ -59,7 +59,6 @@ class KernelSet:
     def gdn_gating(self, a, b, A_log, dt_bias): raise NotImplementedError  # noqa: E704
     def attention(self, q, kv, starts, lengths): raise NotImplementedError  # noqa: E704
     def gdn(self, q, k, v, g, beta, lengths, states, grad): raise NotImplementedError  # noqa: E704
-    def gdn_empty_state(self, h, dk, dv): raise NotImplementedError  # noqa: E704
     def moe(self, x, router_w, experts, shared, shared_gate_w, top_k, norm_topk_prob): raise NotImplementedError  # noqa: E704
     def logprob(self, logits): raise NotImplementedError  # noqa: E704
 
@@ -110,9 +109,6 @@ class IsoExecCPU(KernelSet):
             return cpr.CPRFunction.apply(q, k, v, g, beta, lengths, self.chunk_size), [None] * len(lengths)
         return cpr.cpr_gdn(q, k, v, g, beta, lengths, states, self.chunk_size)
 
-    def gdn_empty_state(self, h, dk, dv):
-        return cpr.CPRState.zeros(h, dk, dv)
-
     def moe(self, x, router_w, experts, shared, shared_gate_w, top_k, norm_topk_prob):
         return moe.iso_moe(x, router_w, experts, shared, shared_gate_w, top_k, norm_topk_prob, self.row_tile)
 
@@ -127,7 +123,7 @@ class IsoExecCPU(KernelSet):
         return [
             impl("embed", "isoexec.cpu.embedding_gather", {"dtype": bd}, "gates:trainer_vs_engine"),
             impl("norm.rms", "isoexec.cpu.rms_norm", {**tree, "scale": "one_plus_w"}, "gates:batch_composition"),
-            *[impl(r, "isoexec.cpu.tile_gemm", gemm, "test_tile_mm_rows_independent")
+            *[impl(r, "isoexec.cpu.tile_gemm", gemm, "tests/test_kernels_primitives.py::test_tile_mm_row_bits_independent_of_row_count_and_position")
               for r in ("attn.qkv_proj", "attn.out_proj", "gdn.in_proj", "gdn.out_proj")],
             impl("attn.rope", "isoexec.cpu.rope_elementwise", {"table_dtype": bd}, "gates:trainer_vs_engine"),
             impl("attn.core", "isoexec.cpu.blockwise_online_softmax",
@@ -188,9 +184,6 @@ class NativeTorch(KernelSet):
 
     def gdn(self, q, k, v, g, beta, lengths, states, grad):
         return gdn_native.native_gdn(q, k, v, g, beta, lengths, states, self.chunk_size)
-
-    def gdn_empty_state(self, h, dk, dv):
-        return None
 
     def moe(self, x, router_w, experts, shared, shared_gate_w, top_k, norm_topk_prob):
         return moe.native_moe(x, router_w, experts, shared, shared_gate_w, top_k, norm_topk_prob)

@@ -96,13 +96,13 @@ def run_gates(model: UnifiedModel, gates_cfg, chunk_size: int, kernel_set: str, 
     seqs = [mk(long_len), mk(rng.randint(gates_cfg.min_len, gates_cfg.max_len))]
     score = _score(model, seqs)
     fwd = _score(model, seqs, grad=True)
-    add("cases", "trainer_fwd", "trainer_score", torch.cat(fwd), torch.cat(score))
+    add("trainer_vs_engine", "trainer_fwd", "trainer_score", torch.cat(fwd), torch.cat(score))
     prefill = _engine(model, seqs, [[len(s)] for s in seqs])
-    add("cases", "trainer_score", "engine_prefill", torch.cat(score), torch.cat(prefill))
+    add("trainer_vs_engine", "trainer_score", "engine_prefill", torch.cat(score), torch.cat(prefill))
     dec = _engine(model, seqs, [[prompt] + [1] * (len(s) - prompt) for s in seqs])
-    add("cases", "trainer_score", "engine_decode", torch.cat([s[prompt:] for s in score]),
+    add("decode_chunk_boundaries", "trainer_score", "engine_decode", torch.cat([s[prompt:] for s in score]),
         torch.cat([d[prompt:] for d in dec]), f"decode of {long_len - prompt} tokens crosses {(long_len - 1) // C} chunk boundaries (C={C})")
-    add("cases", "engine_prefill", "engine_decode", torch.cat([p[prompt:] for p in prefill]), torch.cat([d[prompt:] for d in dec]))
+    add("decode_chunk_boundaries", "engine_prefill", "engine_decode", torch.cat([p[prompt:] for p in prefill]), torch.cat([d[prompt:] for d in dec]))
 
     # 2. batch composition: alone vs inside batches of mixed lengths, shuffled
     target = mk(rng.randint(gates_cfg.min_len, gates_cfg.max_len))

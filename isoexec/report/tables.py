@@ -358,8 +358,3 @@ def to_comparison_markdown(summary: pd.DataFrame, prov: dict, title: str) -> str
         "",
     ]
     return "\n".join(lines)
-
-
-def read_summary(exp_dir: str | Path) -> pd.DataFrame:
-    """``<exp_dir>/tables/summary.csv`` with its numeric columns as floats (missing -> NaN)."""
-    return pd.read_csv(Path(exp_dir) / "tables" / "summary.csv", dtype={"mode": str})

@@ -56,13 +56,6 @@ def build_tokenizer(multiple: int = 64) -> PreTrainedTokenizerFast:
     )
 
 
-def save_tokenizer(out_dir: str | Path, multiple: int = 64) -> PreTrainedTokenizerFast:
-    """Build the tokenizer and save it in Hugging Face format into ``out_dir``; return it."""
-    tok = build_tokenizer(multiple)
-    tok.save_pretrained(str(out_dir))
-    return tok
-
-
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
     """Load the tokenizer saved next to a checkpoint."""
     return PreTrainedTokenizerFast.from_pretrained(str(path))

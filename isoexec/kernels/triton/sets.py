@@ -160,9 +160,6 @@ class IsoExecTriton(KernelSet):
             return o, [None] * len(lengths)
         return t_gdn.cpr_gdn(q, k, v, g, beta, lengths, states, self.chunk_size, keep_state=True)
 
-    def gdn_empty_state(self, h, dk, dv):
-        return None  # fresh sequences get a pool slot on their first step
-
     def moe(self, x, router_w, experts, shared, shared_gate_w, top_k, norm_topk_prob):
         flat = [t for e in experts for t in e]
         ne = len(experts)
