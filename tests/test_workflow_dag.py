@@ -71,7 +71,7 @@ def test_snakefiles_are_snakefmt_formatted():
 
 def test_config_typo_fails_before_any_job_naming_the_key(tmp_path):
     bad = tmp_path / "typo.yaml"
-    bad.write_text((ROOT / "experiments" / "ci-tiny.yaml").read_text() + "engine:\n  max_num_seqz: 4\n")
+    bad.write_text((ROOT / "experiments" / "ci-tiny.yaml").read_text().replace("engine:\n", "engine:\n  max_num_seqz: 4\n"))
     r = snakemake("-n", "reproduce", "--configfile", str(bad))
     assert r.returncode != 0
     assert "max_num_seqz" in r.stdout + r.stderr
