@@ -4,7 +4,8 @@ A fake `isoexec` first on PATH writes what each stage promises (a model folder, 
 rollout check, synthetic RL metrics) and hands `isoexec report ...` to the real CLI. This checks the
 wiring: inputs/outputs, logs, benchmarks, the papermill notebook and its HTML, and that finished
 stages are not rerun while a changed config section reruns only the stages that read it.
-Once all stages exist, a test with the real commands and experiments/ci-tiny.yaml replaces the fake.
+tests/test_workflow_real.py runs the same DAG with the real commands on experiments/ci-tiny.yaml;
+this one stays because it checks the rerun logic in seconds.
 """
 
 from __future__ import annotations

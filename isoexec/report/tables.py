@@ -14,7 +14,8 @@ mismatch_count                 tokens whose fp32 logprob bits differ (sum)
 tokens                         token exposure N (sum)
 mismatch_rate                  mismatch_count / tokens
 k3_kl                          mean of exp(d) - d - 1 (token-weighted)
-time_generation_s, ...         mean seconds per step of time/generation, /train, /weight_sync, /step
+time_generation_s, ...         mean seconds per step of time/generation, /train, /weight_sync, /step,
+                               without each run's first step (engine start-up and warm-up)
 overhead_generation_pct, ...   100 * (t_mode / t_native - 1), computed per step pairwise within the
                                same seed, then averaged; empty for the native row
 reward_first, reward_last      reward_mean at each seed's first / last step, averaged over seeds
@@ -111,6 +112,14 @@ def _pooled_std(mean: pd.Series, std: pd.Series, tokens: pd.Series) -> float:
     return math.sqrt(max(var, 0.0))
 
 
+def timed_steps(df: pd.DataFrame) -> pd.DataFrame:
+    """Rows that count for timing: every step but the first of each (mode, seed) run, whose time
+    includes engine start-up and first-call warm-up; a run of a single step keeps it."""
+    first = df.groupby(["mode", "seed"])["step"].transform("min")
+    n = df.groupby(["mode", "seed"])["step"].transform("count")
+    return df[(df["step"] != first) | (n == 1)]
+
+
 def _aggregate(g: pd.DataFrame) -> dict:
     """Every non-overhead column for one group of per-step rows (one mode, one or more seeds)."""
     first = g.loc[g.groupby("seed")["step"].idxmin()]
@@ -130,8 +139,9 @@ def _aggregate(g: pd.DataFrame) -> dict:
         "n_seeds": int(g["seed"].nunique()),
         "n_steps": int(g["step"].nunique()),
     }
+    timed = timed_steps(g)
     for key, col, _ in TIME_KEYS:
-        row[col] = float(g[key].mean())
+        row[col] = float(timed[key].mean())
     return row
 
 
@@ -139,11 +149,13 @@ def paired_overhead(df: pd.DataFrame, key: str = "time/step", baseline: str = BA
     """Per-step paired overhead of every mode against ``baseline``, in percent.
 
     Rows of a mode are matched to the baseline's rows of the same (seed, step); each pair gives
-    ``100 * (t_mode / t_baseline - 1)``. Pairs whose baseline time is 0 or missing are dropped.
+    ``100 * (t_mode / t_baseline - 1)``. Pairs whose baseline time is 0 or missing are dropped, and
+    so are the warm-up steps (see :func:`timed_steps`).
 
     Returns:
         columns mode, seed, step, overhead_pct (the baseline mode itself is not included).
     """
+    df = timed_steps(df)
     base = df[df["mode"] == baseline][["seed", "step", key]].rename(columns={key: "_base"})
     other = df[df["mode"] != baseline][["mode", "seed", "step", key]]
     pairs = other.merge(base, on=["seed", "step"], how="inner")
@@ -222,7 +234,8 @@ def to_markdown(table: pd.DataFrame, prov: dict, title: str) -> str:
     lines += [
         "",
         "Diffs are |trainer - rollout| logprob per response token; 0 means bitwise identical. "
-        "Times are seconds per step; overheads are paired per step within each seed, then averaged.",
+        "Times are seconds per step without each run's first (warm-up) step; overheads are paired per step "
+        "within each seed, then averaged.",
         "",
     ]
     return "\n".join(lines)
