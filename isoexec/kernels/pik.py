@@ -449,16 +449,22 @@ def _gloo_entry(rank: int, world_size: int, port: int, out_dir: str, fn, args) -
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
-def run_gloo(fn, world_size: int, *args, start_method: str = "fork") -> list:
+def run_gloo(fn, world_size: int, *args, start_method: str = "forkserver") -> list:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` local processes in one gloo group
     (127.0.0.1, a free port, one intra-op thread each) and return the per-rank results.
 
-    ``fn`` must be importable (module level) and return something ``torch.save`` can store. ``fork``
-    avoids re-importing the package in every child (seconds on a small CPU); use ``spawn`` where fork
-    is unsafe.
+    ``fn`` must be importable (module level) and return something ``torch.save`` can store. The
+    default ``forkserver`` forks children from a clean server process that has pre-imported torch and
+    this module once: a plain ``fork`` from a process whose OpenMP/MKL thread pools are running (any
+    process that already ran torch ops, e.g. a test session) can deadlock the child, and ``spawn``
+    re-imports the package in every child (seconds each on a small CPU).
     """
+    import multiprocessing
+
     import torch.multiprocessing as mp
 
+    if start_method == "forkserver":
+        multiprocessing.get_context("forkserver").set_forkserver_preload(["torch", "torch.distributed", __name__])
     with tempfile.TemporaryDirectory() as d:
         mp.start_processes(
             _gloo_entry, args=(world_size, _free_port(), d, fn, args), nprocs=world_size, join=True,
