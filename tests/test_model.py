@@ -32,7 +32,7 @@ def _hf_logprobs(hf, ids):
 
     # transformers would route GDN to flash-linear-attention's Triton kernels, which need a GPU.
     orig = M.torch_chunk_gated_delta_rule
-    M.torch_chunk_gated_delta_rule = native.torch_chunk_gated_delta_rule
+    M.torch_chunk_gated_delta_rule = native.torch_references()[0]
     try:
         with torch.no_grad():
             return torch.log_softmax(hf(ids[None]).logits[0].float(), -1)
@@ -124,7 +124,7 @@ def test_qwen3_5_moe_text_checkpoint_loads_and_matches_transformers(tmp_path, ti
     assert "model.layers.0.linear_attn.in_proj_qkv.weight" in dict(model.named_parameters())
     ids = torch.randint(0, 96, (50,), generator=torch.Generator().manual_seed(1))
     orig = M5.torch_chunk_gated_delta_rule
-    M5.torch_chunk_gated_delta_rule = native.torch_chunk_gated_delta_rule
+    M5.torch_chunk_gated_delta_rule = native.torch_references()[0]
     try:
         with torch.no_grad():
             ref = torch.log_softmax(hf(ids[None]).logits[0].float(), -1)

@@ -33,11 +33,9 @@ def force_torch_gdn() -> None:
         return
     import transformers.models.qwen3_next.modeling_qwen3_next as m
 
-    for name in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"):
-        fn = getattr(m, name)
-        while hasattr(fn, "__wrapped__"):
-            fn = fn.__wrapped__
-        setattr(m, name, fn)
+    from isoexec.kernels.gdn.native import torch_references
+
+    m.torch_chunk_gated_delta_rule, m.torch_recurrent_gated_delta_rule = torch_references()
     _TORCH_GDN_FORCED = True
 
 

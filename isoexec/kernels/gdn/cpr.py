@@ -30,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from isoexec.kernels.gdn.native import torch_chunk_gated_delta_rule
+from isoexec.kernels.gdn.native import torch_references
 
 
 @dataclass
@@ -244,7 +244,7 @@ class CPRFunction(torch.autograd.Function):
             outs, row0 = [], 0
             for n in ctx.lengths:
                 sl = slice(row0, row0 + n)
-                o, _ = torch_chunk_gated_delta_rule(
+                o, _ = torch_references()[0](
                     q[sl][None], k[sl][None], v[sl][None], g=g[sl][None], beta=beta[sl][None], chunk_size=ctx.chunk_size
                 )
                 outs.append(o[0])

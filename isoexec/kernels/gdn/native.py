@@ -7,15 +7,27 @@ different reduction orders, so decode and prefill differ in the last bits: the n
 
 from __future__ import annotations
 
-import torch
-from transformers.models.qwen3_next import modeling_qwen3_next as hf
+import functools
 
-# transformers wraps its torch references so that an installed flash-linear-attention replaces them;
-# fla's Triton kernels do not run on CPU, so take the torch references underneath.
-torch_chunk_gated_delta_rule = getattr(hf.torch_chunk_gated_delta_rule, "__wrapped__", hf.torch_chunk_gated_delta_rule)
-torch_recurrent_gated_delta_rule = getattr(
-    hf.torch_recurrent_gated_delta_rule, "__wrapped__", hf.torch_recurrent_gated_delta_rule
-)
+import torch
+
+
+@functools.cache
+def torch_references():
+    """(chunk, recurrent): transformers' pure-PyTorch GDN functions.
+
+    transformers wraps them so that an installed flash-linear-attention replaces them at import
+    time; fla's Triton kernels do not run on CPU, so this unwraps (``__wrapped__``) to the torch
+    references. Imported lazily: transformers' Qwen3-Next module takes seconds to import.
+    """
+    from transformers.models.qwen3_next import modeling_qwen3_next as hf
+
+    def unwrap(fn):
+        while hasattr(fn, "__wrapped__"):
+            fn = fn.__wrapped__
+        return fn
+
+    return unwrap(hf.torch_chunk_gated_delta_rule), unwrap(hf.torch_recurrent_gated_delta_rule)
 
 
 def native_gdn(
@@ -37,6 +49,7 @@ def native_gdn(
     Returns:
         (o ``[N, H, Dv]`` fp32, new states).
     """
+    torch_chunk_gated_delta_rule, torch_recurrent_gated_delta_rule = torch_references()
     outs, new_states = [], []
     row0 = 0
     for n, st in zip(lengths, states):
