@@ -1,9 +1,9 @@
 """The ``isoexec`` command line (typer). Each layer owns its commands; this module only wires them.
 
 Commands: ``contract show|diff|verify`` (isoexec.contract.cli), ``gates`` and ``bench``
-(isoexec.model.gates, isoexec.report.bench), ``rollout-check`` (isoexec.engines.rollout_check),
+(isoexec.model.gates, isoexec.bench), ``rollout-check`` (isoexec.engines.rollout_check),
 ``rl ...`` (isoexec.rl.cli), ``report ...`` (isoexec.report.cli), ``pik-check``
-(isoexec.kernels.pik: TP-invariant row-parallel GEMM over gloo).
+(isoexec.kernels.collectives: TP-invariant row-parallel GEMM over gloo).
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ _GROUPS = [
 # Single commands: (module, function, command name)
 _COMMANDS = [
     ("isoexec.model.gates", "gates_command", "gates"),
-    ("isoexec.report.bench", "bench_command", "bench"),
+    ("isoexec.bench.cpu", "bench_command", "bench"),
     ("isoexec.engines.rollout_check", "rollout_check_command", "rollout-check"),
-    ("isoexec.kernels.pik", "pik_check_command", "pik-check"),
+    ("isoexec.kernels.collectives.check", "pik_check_command", "pik-check"),
 ]
 
 for _mod, _attr, _name in _GROUPS:

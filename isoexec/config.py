@@ -2,7 +2,8 @@
 
 Validated at load with pydantic (``extra="forbid"``), so a typo fails at once with the key's name.
 Each layer owns one section: ``model`` (architecture, Hugging Face ``Qwen3NextConfig`` fields),
-``kernels`` (kernel set and its pinned constants), ``gates``, ``task``, ``sft``, ``rl``, ``engine``.
+``kernels`` (the constants pinned by the kernel sets), ``gates``, ``task``, ``sft``, ``rl``,
+``trainer`` and ``engine`` (which backend runs each side; the mode picks the kernel set).
 """
 
 from __future__ import annotations
@@ -48,15 +49,71 @@ class ModelSection(_Section):
     init_std: PositiveFloat = 0.02
 
 
-class KernelSection(_Section):
-    """Kernel set and the constants it pins (all enter the contract's ``numerical_policy``)."""
+class TritonSection(_Section):
+    """Launch constants of the Triton (sm90) kernel set. Every value is bit-relevant or pins the launch,
+    enters the contract's composition, and comes only from here (``isoexec bench --what tune`` writes a
+    YAML fragment of this section; nothing is read from environment variables)."""
 
-    set: Literal["isoexec", "native"] = "isoexec"
+    gemm_bfloat16: tuple[PositiveInt, PositiveInt, PositiveInt, PositiveInt, PositiveInt] = Field(
+        (128, 128, 64, 8, 3), description="bf16 GEMM tiles: BM, BN, BK, num_warps, num_stages")
+    gemm_float32: tuple[PositiveInt, PositiveInt, PositiveInt, PositiveInt, PositiveInt] = Field(
+        (64, 64, 32, 4, 3), description="fp32 GEMM tiles (true fp32 dot, no tf32): BM, BN, BK, num_warps, num_stages")
+    gemm_group_m: PositiveInt = Field(8, description="tile-order swizzle (which program computes which tile)")
+    attn_block_m: PositiveInt = Field(64, description="attention query rows per tile")
+    conv_block_t: PositiveInt = Field(16, description="causal conv1d positions per program")
+    conv_block_c: PositiveInt = Field(128, description="causal conv1d channels per program")
+    gdn_scan_bv: PositiveInt = Field(8, description="CPR scan: Dv columns per program")
+    gdn_scan_warps: PositiveInt = 1
+    gdn_chain_bv: PositiveInt = Field(32, description="CPR state chain: Dv columns per program")
+    gdn_chain_warps: PositiveInt = 4
+    gdn_prep_warps: PositiveInt = 4
+    gdn_dot_precision: Literal["tf32", "ieee"] = Field("tf32", description="state-pass dots (fp32 storage)")
+
+    @model_validator(mode="after")
+    def _powers_of_two(self) -> "TritonSection":
+        bad = [f"kernels.triton.{k}={v}" for k, v in self.model_dump().items()
+               if k.endswith(("_bv", "_block_m", "_block_t", "_block_c")) and v & (v - 1)]
+        for name in ("gemm_bfloat16", "gemm_float32"):
+            bm, bn, bk, _, _ = getattr(self, name)
+            bad += [f"kernels.triton.{name} tile {t}" for t in (bm, bn, bk) if t < 16 or t & (t - 1)]
+        if bad:
+            raise ValueError(f"must be powers of two (GEMM tiles >= 16): {', '.join(bad)}")
+        return self
+
+
+class KernelSection(_Section):
+    """Constants pinned by the kernel sets (all enter the contract's ``numerical_policy``).
+
+    The kernel set itself follows the run's mode (``native`` | ``isoexec``) and the config's ``device``;
+    the constants below are the only source of bit-relevant choices.
+    """
+
     chunk_size: PositiveInt = Field(64, description="CPR Gated DeltaNet chunk size C")
-    row_tile: PositiveInt = Field(16, description="rows per GEMM tile; every GEMM call has this many rows")
+    row_tile: PositiveInt = Field(16, description="CPU: rows per GEMM tile; every GEMM call has this many rows")
     kv_block: PositiveInt = Field(64, description="attention KV block size in absolute positions")
     vocab_block: PositiveInt = Field(256, description="vocabulary block of the logprob reduction")
     temperature: PositiveFloat = Field(1.0, description="policy temperature applied to logits before the softmax")
+    triton: TritonSection = TritonSection()
+
+    @model_validator(mode="after")
+    def _checks(self) -> "KernelSection":
+        if self.vocab_block & (self.vocab_block - 1):
+            raise ValueError(f"kernels.vocab_block={self.vocab_block} must be a power of two")
+        return self
+
+    def check_device(self, device: str) -> None:
+        """Refuse constants the kernels of ``device`` cannot run (the Triton set needs power-of-two
+        ``chunk_size`` and ``kv_block`` of at least 16).
+
+        Raises:
+            ValueError: naming each offending key and the allowed values.
+        """
+        if device != "cuda":
+            return
+        bad = [f"kernels.{k}={v} (the Triton kernels need a power of two >= 16)"
+               for k, v in (("chunk_size", self.chunk_size), ("kv_block", self.kv_block)) if v < 16 or v & (v - 1)]
+        if bad:
+            raise ValueError("; ".join(bad))
 
 
 class GatesSection(_Section):
@@ -112,9 +169,39 @@ class RLSection(_Section):
     weight_decay: NonNegativeFloat = 0.0
 
 
-class EngineSection(_Section):
-    """vLLM engine settings (CPU build here)."""
+Mode = Literal["native", "isoexec"]
+TrainerBackend = Literal["hf", "unified"]
 
+
+class TrainerSection(_Section):
+    """Which trainer implementation runs each mode (:func:`isoexec.trainer.factory.load_trainer`).
+
+    ``backend``: one backend for both modes, or a mapping ``mode -> backend``. ``hf`` is transformers'
+    ``Qwen3NextForCausalLM`` with its own kernels (native only); ``unified`` is the unified model with
+    the mode's kernel set.
+    """
+
+    backend: TrainerBackend | dict[Mode, TrainerBackend] = Field(
+        default_factory=lambda: {"native": "hf", "isoexec": "unified"})
+
+    def backend_for(self, mode: str) -> str:
+        """The backend of ``mode``.
+
+        Raises:
+            ValueError: ``mode`` not in the mapping (naming the modes it covers).
+        """
+        if isinstance(self.backend, str):
+            return self.backend
+        if mode not in self.backend:
+            raise ValueError(f"trainer.backend has no entry for mode {mode!r}; it covers {sorted(self.backend)}")
+        return self.backend[mode]
+
+
+class EngineSection(_Section):
+    """Rollout engine settings: the backend (``vllm``: vLLM, CPU build here; ``local``: plain PyTorch
+    sampling from a trainer policy, no KV cache) and vLLM's scheduler settings."""
+
+    backend: Literal["vllm", "local"] = "vllm"
     max_num_seqs: PositiveInt = 64
     max_model_len: PositiveInt = 512
     enable_chunked_prefill: bool = True
@@ -139,6 +226,7 @@ class ExperimentConfig(_Section):
     task: TaskSection = TaskSection()
     sft: SFTSection = SFTSection()
     rl: RLSection = RLSection()
+    trainer: TrainerSection = TrainerSection()
     engine: EngineSection = EngineSection()
 
     @model_validator(mode="after")
@@ -153,11 +241,22 @@ class ExperimentConfig(_Section):
         if m.linear_num_value_heads % m.linear_num_key_heads:
             problems.append(f"model.linear_num_value_heads={m.linear_num_value_heads} is not a multiple of "
                             f"model.linear_num_key_heads={m.linear_num_key_heads}")
-        if self.kernels.vocab_block & (self.kernels.vocab_block - 1):
-            problems.append(f"kernels.vocab_block={self.kernels.vocab_block} must be a power of two")
+        try:
+            self.kernels.check_device(self.device)
+        except ValueError as e:
+            problems.append(f"device={self.device}: {e}")
         if self.rl.temperature != self.kernels.temperature:
             problems.append(f"rl.temperature={self.rl.temperature} must equal kernels.temperature="
                             f"{self.kernels.temperature} (the contract pins the policy temperature; both modes sample at it)")
+        for mode in self.rl.modes:
+            try:
+                backend = self.trainer.backend_for(mode)
+            except ValueError as e:
+                problems.append(str(e))
+                continue
+            if mode == "isoexec" and backend == "hf":
+                problems.append("trainer.backend='hf' (transformers' own kernels) cannot run mode isoexec; "
+                                "use 'unified' for isoexec")
         if self.gates.max_len < self.gates.min_len:
             problems.append(f"gates.max_len={self.gates.max_len} < gates.min_len={self.gates.min_len}")
         if problems:

@@ -8,13 +8,16 @@ fails, the old file is left untouched and the temporary file is removed. Parent 
 
 from __future__ import annotations
 
+import csv
+import io
 import json
 import os
 import tempfile
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["atomic_write_bytes", "atomic_write_text", "atomic_write_json"]
+__all__ = ["atomic_write_bytes", "atomic_write_text", "atomic_write_json", "csv_text", "write_csv"]
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
@@ -86,6 +89,35 @@ def atomic_write_json(path: str | os.PathLike, obj: Any, **dumps_kwargs: Any) ->
     """
     opts = {"indent": 2, "sort_keys": True, "ensure_ascii": False, **dumps_kwargs}
     return atomic_write_text(path, json.dumps(obj, **opts) + "\n")
+
+
+def csv_text(rows: Iterable[Mapping[str, Any]], columns: Sequence[str] | None = None,
+             fmt: Callable[[str, Any], Any] | None = None) -> str:
+    """CSV text of ``rows`` (one dict each), the one CSV writer of the project.
+
+    Args:
+        rows: the records. columns: column order (default: keys in first-seen order over all rows;
+            a missing key is an empty cell). fmt: ``(column, value) -> cell`` (default: floats as
+            ``%.4g``, everything else as is).
+    """
+    rows = list(rows)
+    if columns is None:
+        columns = []
+        for r in rows:
+            columns += [k for k in r if k not in columns]
+    fmt = fmt or (lambda _c, v: f"{v:.4g}" if isinstance(v, float) else v)
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=list(columns))
+    w.writeheader()
+    for r in rows:
+        w.writerow({k: fmt(k, v) for k, v in r.items()})
+    return buf.getvalue()
+
+
+def write_csv(path: str | os.PathLike, rows: Iterable[Mapping[str, Any]], columns: Sequence[str] | None = None,
+              fmt: Callable[[str, Any], Any] | None = None) -> Path:
+    """Write :func:`csv_text` of ``rows`` to ``path`` atomically."""
+    return atomic_write_text(path, csv_text(rows, columns, fmt))
 
 
 def _fsync_dir(folder: Path) -> None:

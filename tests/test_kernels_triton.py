@@ -1,4 +1,4 @@
-"""GPU gates of the Triton kernel set (issue 6): each kernel's bits for a row do not depend on the
+"""GPU gates of the Triton kernel set: each kernel's bits for a row do not depend on the
 batch, the row's position or the execution mode; each bitwise test has its native negative control.
 
 All tests need CUDA (marked ``gpu``; skipped elsewhere with a reason by conftest)."""
@@ -7,8 +7,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from isoexec.config import TritonSection
+
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
+CFG = TritonSection()
 
 
 def _rel(a, b):
@@ -21,26 +24,25 @@ def _seed():
 
 
 def test_kernel_sets_registered_for_cuda_with_sm90_composition():
-    from isoexec.kernels import get_kernel_set
+    from isoexec.kernels import build_kernel_set
 
-    ks = get_kernel_set("isoexec", "cuda")
-    assert ks.arch == "sm90" and type(ks).__name__ == "IsoExecTriton"
-    regions = {i.region for i in ks.composition(torch.bfloat16)}
-    assert {"attn.core", "gdn.core", "logprob", "moe.experts", "lm_head"} <= regions
-    assert type(get_kernel_set("native", "cuda")).__name__ == "NativeCUDA"
+    ks = build_kernel_set("isoexec", "cuda")
+    assert ks.arch == "sm90" and ks["gdn.core"].impl_id == "isoexec.triton.cpr_gated_delta_rule"
+    assert ks["lm_head"].constants_for(torch.bfloat16)["tile_m"] == CFG.gemm_bfloat16[0]
+    assert build_kernel_set("native", "cuda")["attn.core"].impl_id == "native.torch.sdpa"
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_gemm_row_bits_independent_of_batch_size_and_position(dtype):
-    from isoexec.kernels.triton.gemm import linear
+    from isoexec.kernels.gemm.triton import linear
 
     x = torch.randn(513, 1024, device=DEV, dtype=dtype)
     w = torch.randn(3072, 1024, device=DEV, dtype=dtype) * 0.02
-    ref = linear(x[7:8], w)[0]
+    ref = linear(x[7:8], w, CFG)[0]
     for rows in (slice(0, 8), slice(7, 300), slice(0, 513)):
         i = 7 - (rows.start or 0)
-        assert torch.equal(linear(x[rows], w)[i], ref)
-    assert _rel(linear(x, w).float(), (x.double() @ w.double().T).float()) < (1e-2 if dtype == torch.bfloat16 else 1e-5)
+        assert torch.equal(linear(x[rows], w, CFG)[i], ref)
+    assert _rel(linear(x, w, CFG).float(), (x.double() @ w.double().T).float()) < (1e-2 if dtype == torch.bfloat16 else 1e-5)
 
 
 def test_cublas_row_bits_depend_on_batch_size_negative_control():
@@ -50,18 +52,18 @@ def test_cublas_row_bits_depend_on_batch_size_negative_control():
 
 
 def test_grouped_gemm_matches_per_expert_rows_bitwise():
-    from isoexec.kernels.triton.gemm import grouped_linear, linear
+    from isoexec.kernels.gemm.triton import grouped_linear, linear
 
     x = torch.randn(300, 256, device=DEV, dtype=torch.bfloat16)
     w = torch.randn(4, 512, 256, device=DEV, dtype=torch.bfloat16)
-    y = grouped_linear(x, w, [100, 0, 150, 50])
-    y2 = grouped_linear(x[100:101], w[2:3], [1])
+    y = grouped_linear(x, w, [100, 0, 150, 50], CFG)
+    y2 = grouped_linear(x[100:101], w[2:3], [1], CFG)
     assert torch.equal(y[100], y2[0])
-    assert _rel(y[100:250].float(), linear(x[100:250], w[2]).float()) < 1e-6
+    assert _rel(y[100:250].float(), linear(x[100:250], w[2], CFG).float()) < 1e-6
 
 
 def test_row_norms_batch_invariant():
-    from isoexec.kernels.triton.norm import gated_rms_norm, l2norm, rms_norm
+    from isoexec.kernels.norm.triton import gated_rms_norm, l2norm, rms_norm
 
     x = torch.randn(1000, 1024, device=DEV, dtype=torch.bfloat16)
     w = torch.randn(1024, device=DEV, dtype=torch.bfloat16)
@@ -72,27 +74,27 @@ def test_row_norms_batch_invariant():
 
 
 def test_attention_decode_equals_prefill_bitwise_and_sdpa_does_not():
-    from isoexec.kernels.triton.attention import attention
-    from isoexec.kernels.triton.sets import NativeCUDA
+    from isoexec.kernels.attention.native import native_attention
+    from isoexec.kernels.attention.triton import attention
 
     L, hq, hkv, d = 300, 8, 2, 128
     q = torch.randn(L, hq, d, device=DEV, dtype=torch.bfloat16)
     k = torch.randn(L, hkv, d, device=DEV, dtype=torch.bfloat16)
     v = torch.randn(L, hkv, d, device=DEV, dtype=torch.bfloat16)
-    full = attention(q, [(k, v)], [0], [L], 64)
+    full = attention(q, [(k, v)], [0], [L], 64, CFG.attn_block_m)
     other = torch.randn(50, hq, d, device=DEV, dtype=torch.bfloat16)
     kv2 = (torch.randn(90, hkv, d, device=DEV, dtype=torch.bfloat16),) * 2
     for t in (0, 63, 64, 200, L - 1):
-        dec = attention(torch.cat([other, q[t : t + 1]]), [kv2, (k[: t + 1], v[: t + 1])], [40, t], [50, 1], 64)
+        dec = attention(torch.cat([other, q[t : t + 1]]), [kv2, (k[: t + 1], v[: t + 1])], [40, t], [50, 1], 64, CFG.attn_block_m)
         assert torch.equal(dec[-1], full[t])
-    chunk = attention(q[100:170], [(k[:170], v[:170])], [100], [70], 64)
+    chunk = attention(q[100:170], [(k[:170], v[:170])], [100], [70], 64, CFG.attn_block_m)
     assert torch.equal(chunk, full[100:170])
     ref = F.scaled_dot_product_attention(q.transpose(0, 1)[None].float(), k.transpose(0, 1)[None].float(),
                                          v.transpose(0, 1)[None].float(), is_causal=True, enable_gqa=True)[0].transpose(0, 1)
     assert _rel(full.float(), ref) < 1e-2
-    nat = NativeCUDA()
-    nfull = nat.attention(q, [(k, v)], [0], [L])
-    diffs = [not torch.equal(nat.attention(q[t : t + 1], [(k[: t + 1], v[: t + 1])], [t], [1])[0], nfull[t]) for t in range(200, 300)]
+    nfull = native_attention(q, [(k, v)], [0], [L])
+    diffs = [not torch.equal(native_attention(q[t : t + 1], [(k[: t + 1], v[: t + 1])], [t], [1])[0], nfull[t])
+             for t in range(200, 300)]
     assert any(diffs)
 
 
@@ -107,30 +109,30 @@ def _gdn_inputs(T, H=4, dk=128, dv=128):
 
 def test_cpr_decode_matches_trainer_across_chunk_boundaries_bitwise():
     from isoexec.kernels.gdn.reference import recurrent_reference
-    from isoexec.kernels.triton.gdn import cpr_gdn
+    from isoexec.kernels.gdn.triton import cpr_gdn
 
     C, T = 64, 200
     q, k, v, g, b = _gdn_inputs(T)
-    o, _ = cpr_gdn(q, k, v, g, b, [T], [None], C, keep_state=False)
+    o, _ = cpr_gdn(q, k, v, g, b, [T], [None], C, CFG, keep_state=False)
     ref, _ = recurrent_reference(q.cpu(), k.cpu(), v.cpu(), g.cpu(), b.cpu())
     assert _rel(o.cpu(), ref.float()) < 1e-3
     q2, k2, v2, g2, b2 = _gdn_inputs(77)
     outs = []
-    op, st = cpr_gdn(q[:10], k[:10], v[:10], g[:10], b[:10], [10], [None], C)
+    op, st = cpr_gdn(q[:10], k[:10], v[:10], g[:10], b[:10], [10], [None], C, CFG)
     outs.append(op)
     op, st = cpr_gdn(torch.cat([q[10:75], q2]), torch.cat([k[10:75], k2]), torch.cat([v[10:75], v2]),
-                     torch.cat([g[10:75], g2]), torch.cat([b[10:75], b2]), [65, 77], [st[0], None], C)
+                     torch.cat([g[10:75], g2]), torch.cat([b[10:75], b2]), [65, 77], [st[0], None], C, CFG)
     outs.append(op[:65])
     s = [st[0]]
     for t in range(75, T):
-        ot, s = cpr_gdn(q[t : t + 1], k[t : t + 1], v[t : t + 1], g[t : t + 1], b[t : t + 1], [1], s, C)
+        ot, s = cpr_gdn(q[t : t + 1], k[t : t + 1], v[t : t + 1], g[t : t + 1], b[t : t + 1], [1], s, C, CFG)
         outs.append(ot)
     assert torch.equal(torch.cat(outs), o)
 
 
 def test_fla_chunk_and_recurrent_differ_negative_control():
     pytest.importorskip("fla")
-    from isoexec.kernels.triton.sets import fla_gdn
+    from isoexec.kernels.gdn.native import fla_gdn
 
     q, k, v, g, b = _gdn_inputs(130)
     o, _ = fla_gdn(q, k, v, g, b, [130], [None])
@@ -140,7 +142,7 @@ def test_fla_chunk_and_recurrent_differ_negative_control():
 
 
 def test_logprob_rows_batch_invariant_and_correct():
-    from isoexec.kernels.triton.logprob import logprob
+    from isoexec.kernels.logprob.triton import logprob
 
     x = torch.randn(300, 32768, device=DEV) * 4
     full = logprob(x, 0.7, 2048)
@@ -149,7 +151,14 @@ def test_logprob_rows_batch_invariant_and_correct():
 
 
 def test_moe_rows_batch_invariant():
-    from isoexec.kernels.triton.moe import moe, moe_reference
+    from isoexec.kernels import build_kernel_set
+
+    iso, nat = build_kernel_set("isoexec", "cuda"), build_kernel_set("native", "cuda")
+
+    def moe(ks, x, rw, ex, sh, sg, k):
+        w, ids = ks["moe.router"](x, rw, k, True)
+        y = ks["moe.experts"](x, ids, ex)
+        return ks["moe.combine"](y, w, ids, ks["mlp.shared_expert"](x, sh, sg), x.dtype)
 
     H, E, I = 256, 8, 128
     bf = torch.bfloat16
@@ -158,6 +167,6 @@ def test_moe_rows_batch_invariant():
     ex = [tuple(torch.randn(*s, device=DEV, dtype=bf) * 0.05 for s in ((I, H), (I, H), (H, I))) for _ in range(E)]
     sh = tuple(torch.randn(*s, device=DEV, dtype=bf) * 0.05 for s in ((I, H), (I, H), (H, I)))
     sg = torch.randn(1, H, device=DEV, dtype=bf) * 0.1
-    y = moe(x, rw, ex, sh, sg, 2, True)
-    assert torch.equal(y[200], moe(x[200:201], rw, ex, sh, sg, 2, True)[0])
-    assert _rel(y.float(), moe_reference(x, rw, ex, sh, sg, 2, True).float()) < 2e-2
+    y = moe(iso, x, rw, ex, sh, sg, 2)
+    assert torch.equal(y[200], moe(iso, x[200:201], rw, ex, sh, sg, 2)[0])
+    assert _rel(y.float(), moe(nat, x, rw, ex, sh, sg, 2).float()) < 2e-2

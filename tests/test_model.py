@@ -5,7 +5,8 @@ import torch
 
 from isoexec.contract import diff
 from isoexec.model import UnifiedModel
-from isoexec.model.build import hf_config, random_model
+from isoexec.model.build import random_model
+from isoexec.model.hf import hf_config
 from isoexec.model.gates import run_gates
 
 
@@ -131,3 +132,13 @@ def test_qwen3_5_moe_text_checkpoint_loads_and_matches_transformers(tmp_path, ti
     finally:
         M5.torch_chunk_gated_delta_rule = orig
     assert (model.trainer_logprobs(ids, torch.tensor([0, 50])) - ref).abs().max() < 1e-4
+
+
+def test_sequence_cache_refuses_another_kernel_set_or_constants(tiny_sections):
+    ms, ks = tiny_sections[:2]
+    a = random_model(ms, ks, vocab_size=96)
+    b = random_model(ms, ks.model_copy(update={"kv_block": 2 * ks.kv_block}), vocab_size=96)
+    cache = a.new_cache()
+    a.engine_step([cache], [torch.arange(5)])
+    with pytest.raises(ValueError, match="fingerprint"):
+        b.engine_step([cache], [torch.arange(1)])

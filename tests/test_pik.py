@@ -10,9 +10,8 @@ import time
 import pytest
 import torch
 
-from isoexec.kernels.dense import iso_linear
-from isoexec.kernels.moe import _iso_swiglu, iso_moe
-from isoexec.kernels.pik import (
+from isoexec.kernels.collectives.gloo import run_gloo
+from isoexec.kernels.collectives.pik import (
     _owned,
     native_expert_parallel_combine,
     native_row_parallel_linear,
@@ -24,8 +23,9 @@ from isoexec.kernels.pik import (
     pik_row_parallel_linear,
     pik_row_parallel_partial,
     pik_tree_combine,
-    run_gloo,
 )
+from isoexec.kernels.gemm.cpu import iso_linear
+from isoexec.kernels.moe.cpu import iso_combine, iso_experts, iso_router, iso_shared_expert, iso_swiglu
 from isoexec.kernels.primitives import tile_mm, tree_sum
 
 DEGREES = (1, 2, 4, 8)
@@ -61,7 +61,7 @@ def _moe_inputs():
 
 
 def _route(x, router_w, top_k):
-    """The router of :func:`iso_moe` (same ops), giving the routing order."""
+    """The unified model's router (same ops as ``moe.router``), giving the routing order."""
     lf = iso_linear(x, router_w, ROW_TILE).float()
     ex = torch.exp(lf - lf.amax(dim=-1, keepdim=True))
     probs = ex / tree_sum(ex, dim=-1, keepdim=True)
@@ -71,7 +71,7 @@ def _route(x, router_w, top_k):
 
 
 def _expert_fn(experts):
-    return lambda eid, rows: _iso_swiglu(rows, *experts[eid], ROW_TILE)
+    return lambda eid, rows: iso_swiglu(rows, *experts[eid], ROW_TILE)
 
 
 # ---------------------------------------------------------------------------------------- worker
@@ -182,7 +182,10 @@ def test_pik_expert_parallel_combine_is_routing_order_and_equal_across_ep(runs):
     # The unified model's MoE with a zero shared expert is exactly the routed sum.
     h, i = MOE["h"], MOE["inter"]
     zero_shared = (torch.zeros(i, h), torch.zeros(i, h), torch.zeros(h, i))
-    moe = iso_moe(x, router_w, experts, zero_shared, torch.zeros(1, h), MOE["top_k"], True, ROW_TILE)
+    val_r, idx_r = iso_router(x, router_w, MOE["top_k"], True, ROW_TILE)
+    y = iso_experts(x, idx_r, experts, ROW_TILE)
+    shared = iso_shared_expert(x, zero_shared, torch.zeros(1, h), ROW_TILE)
+    moe = iso_combine(y, val_r, idx_r, shared, torch.float32)
     assert torch.equal(moe, ref)
     for d in DEGREES:
         for rank, r in enumerate(runs[d]):

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from isoexec.rl.grpo import build_batch, group_advantages, informative_groups, policy_loss, token_logprobs
-from isoexec.rl.interfaces import Completion
+from isoexec.engines.base import Completion
 
 
 def test_group_advantages_center_and_optionally_scale_per_group():

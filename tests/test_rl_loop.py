@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from isoexec.config import ExperimentConfig, ModelSection, RLSection, SFTSection, TaskSection
-from isoexec.rl.local_engine import LocalEngine
+from isoexec.engines.local import LocalEngine
 from isoexec.rl.loop import run_rl, step_prompts
 from isoexec.rl.task import make_splits
 from isoexec.rl.tokenizer import load_tokenizer
-from isoexec.trainer.checkpoint import init_checkpoint
+from isoexec.rl.sft import init_checkpoint
 from isoexec.trainer.hf_policy import HFPolicy
 
 KEYS = {"step", "mode", "seed", "tokens", "mismatch_count", "mismatch_rate", "logprob_abs_diff_mean",

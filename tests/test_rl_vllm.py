@@ -16,7 +16,7 @@ for _k, _v in {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABL
 
 from isoexec.config import EngineSection, ExperimentConfig, ModelSection, RLSection, TaskSection  # noqa: E402
 from isoexec.rl.loop import run_rl  # noqa: E402
-from isoexec.trainer.checkpoint import init_checkpoint  # noqa: E402
+from isoexec.rl.sft import init_checkpoint  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -38,9 +38,9 @@ def ckpt(tmp_path_factory):
 
 
 def _run(mode, ckpt, out):
-    from isoexec.rl.engine_adapter import VLLMEngine
+    from isoexec.engines.factory import load_engine
 
-    engine = VLLMEngine(ckpt, mode, CFG, seed=0)
+    engine = load_engine(CFG, mode, ckpt, seed=0)
     _ENGINES.append(engine)
     run_rl(CFG, mode, 0, ckpt, out, engine=engine, command="test")
     return [json.loads(s) for s in (out / "metrics.jsonl").read_text().splitlines()]

@@ -5,10 +5,10 @@ import torch
 from safetensors import safe_open
 
 from isoexec.config import ModelSection
-from isoexec.trainer.checkpoint import init_checkpoint
+from isoexec.rl.sft import init_checkpoint
 from isoexec.trainer.hf_policy import HFPolicy, unpack
 from isoexec.trainer.optim import MasterAdamW
-from isoexec.trainer.policy import sync_state
+from isoexec.trainer.base import sync_state
 
 SMALL = ModelSection(hidden_size=64, head_dim=32, linear_key_head_dim=32, linear_value_head_dim=32,
                      moe_intermediate_size=32, shared_expert_intermediate_size=32)

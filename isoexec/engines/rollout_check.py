@@ -26,6 +26,7 @@ import torch
 import typer
 
 from isoexec.config import ExperimentConfig, load_config
+from isoexec.engines.base import Completion
 
 MAX_TOKENS = 32
 """Response length per request."""
@@ -54,20 +55,26 @@ def trainer_rows(trainer: Any, sequences: list[list[int]]) -> list[torch.Tensor]
     return out
 
 
-def compare(mode: str, samples: list, prompts: list[list[int]], trainer: Any) -> dict[str, Any]:
-    """Metrics of DESIGN section 4 for engine vs trainer logprobs of the sampled tokens."""
-    seqs = [prompts[s.prompt_index] + s.token_ids for s in samples]
+def compare(mode: str, completions: list[list[Completion]], prompts: list[list[int]], trainer: Any) -> dict[str, Any]:
+    """Metrics of DESIGN section 4 for engine vs trainer logprobs of the sampled tokens.
+
+    Args:
+        completions: per prompt its samples (as :meth:`RolloutEngine.generate` returns them).
+        prompts: the prompt token ids. trainer: anything with ``trainer_logprobs``.
+    """
+    samples = [(p, c) for p, group in zip(prompts, completions) for c in group]
+    seqs = [p + c.token_ids for p, c in samples]
     rows = trainer_rows(trainer, seqs)
     lr, lt, full_eq, full_n, kls = [], [], 0, 0, []
-    for s, r, seq in zip(samples, rows, seqs):
-        p = len(prompts[s.prompt_index])
-        idx = torch.arange(p - 1, p - 1 + len(s.token_ids))
-        tok = torch.tensor(s.token_ids, dtype=torch.long)
+    for (prompt, c), r in zip(samples, rows):
+        p = len(prompt)
+        idx = torch.arange(p - 1, p - 1 + len(c.token_ids))
+        tok = torch.tensor(c.token_ids, dtype=torch.long)
         lt.append(r[idx, tok].numpy())
-        lr.append(s.logprobs)
-        if s.full_rows is not None:
+        lr.append(c.logprobs.numpy())
+        if c.full_logprobs is not None:
             tr = r[idx].numpy()
-            er = s.full_rows
+            er = c.full_logprobs.numpy()
             full_n += len(er)
             full_eq += int(sum(np.array_equal(a.view(np.uint32), b.view(np.uint32)) for a, b in zip(er, tr)))
             pe = np.exp(er.astype(np.float64))
@@ -121,14 +128,14 @@ def run_mode(
         routing = engine.cache_state() if mode == "isoexec" else None
     finally:
         engine.shutdown()
-    if mode == "isoexec":
-        from .vllm_plugin import resolve, DEFAULT_FACTORY
+    if model_factory is not None and mode == "isoexec":  # a stand-in model (tests) is also the trainer
+        from .vllm_plugin import resolve
 
-        trainer = resolve(model_factory or DEFAULT_FACTORY).from_pretrained(checkpoint, kernel_set="isoexec", kernels=cfg.kernels)
+        trainer = resolve(model_factory).from_pretrained(checkpoint, kernel_set="isoexec", kernels=cfg.kernels)
     else:
-        from isoexec.trainer.hf_policy import HFPolicy
+        from isoexec.trainer.factory import load_trainer
 
-        trainer = HFPolicy.from_pretrained(checkpoint, temperature=cfg.kernels.temperature)
+        trainer = load_trainer(cfg, mode, checkpoint)
     res = compare(mode, samples, prompts, trainer)
     if res["tokens"] < e.rollout_check_tokens:
         raise RuntimeError(f"{mode}: sampled {res['tokens']} response tokens, fewer than "
@@ -148,12 +155,12 @@ def run_mode(
 
 def default_checkpoint(cfg: ExperimentConfig) -> Path:
     """``runs/<exp>/model/init`` if the pipeline made it, else a random-init tiny checkpoint."""
-    from .checkpoint import build_tiny_checkpoint
+    from isoexec.model.hf import build_checkpoint
 
     init = Path(f"runs/{cfg.name}/model/init")
     if (init / "config.json").is_file():
         return init
-    return build_tiny_checkpoint(Path(f"runs/{cfg.name}/model/rollout_check_init"), cfg.model)
+    return build_checkpoint(Path(f"runs/{cfg.name}/model/rollout_check_init"), cfg.model)
 
 
 def rollout_check_command(

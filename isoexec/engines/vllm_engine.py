@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Mapping, Sequence
 
@@ -36,6 +35,7 @@ import numpy as np
 import torch
 
 from isoexec.config import EngineSection, KernelSection
+from isoexec.engines.base import Completion
 
 from .vllm_plugin import ARCH, DEFAULT_FACTORY, REQUIRED_LOGPROBS_MODE
 from .weight_sync import state_checksums, verify_checksums
@@ -44,27 +44,6 @@ log = logging.getLogger("isoexec.engines")
 
 Mode = Literal["native", "isoexec"]
 EXTENSION = "isoexec.engines.vllm_plugin.IsoExecWorkerExtension"
-
-
-@dataclass
-class Sample:
-    """One sampled response.
-
-    Attributes:
-        prompt_index: index into the ``prompt_token_ids`` passed to ``generate``.
-        sample_index: 0..n-1 within its prompt's group.
-        token_ids: response tokens.
-        logprobs: ``[len(token_ids)]`` float32, the engine's logprob of each sampled token.
-        finish_reason: vLLM's reason (``"length"``, ``"stop"``, ...).
-        full_rows: ``[len(token_ids), V]`` float32 full-vocabulary logprob rows, when requested.
-    """
-
-    prompt_index: int
-    sample_index: int
-    token_ids: list[int]
-    logprobs: np.ndarray
-    finish_reason: str | None
-    full_rows: np.ndarray | None = None
 
 
 class RolloutEngine:
@@ -80,6 +59,8 @@ class RolloutEngine:
         model_factory: isoexec only, ``"module:Class"`` with ``from_pretrained`` (default
             ``isoexec.model:UnifiedModel``; tests pass a stand-in).
         dtype: weights dtype for vLLM (default: the checkpoint's).
+        full_vocab_every: default of :meth:`generate`'s ``full_vocab_every`` (1: full rows for every
+            prompt, what the RL loop's full-vocabulary KL samples from; 0: none).
 
     Raises:
         isoexec.contract.ClaimViolation: isoexec mode, an engine setting the contract does not cover
@@ -96,6 +77,7 @@ class RolloutEngine:
         seed: int = 0,
         model_factory: str | None = None,
         dtype: str = "auto",
+        full_vocab_every: int = 0,
     ) -> None:
         if mode not in ("native", "isoexec"):
             raise ValueError(f"mode must be 'native' or 'isoexec', got {mode!r}")
@@ -105,6 +87,7 @@ class RolloutEngine:
         self.mode: Mode = mode
         self.engine_cfg = engine
         self.kernels = kernels or KernelSection()
+        self.full_vocab_every = int(full_vocab_every)
         kw: dict[str, Any] = dict(
             model=str(self.checkpoint),
             dtype=dtype,
@@ -175,9 +158,9 @@ class RolloutEngine:
         max_tokens: int = 16,
         seed: int = 0,
         temperature: float = 1.0,
-        full_vocab_every: int = 0,
+        full_vocab_every: int | None = None,
         ignore_eos: bool = False,
-    ) -> list[Sample]:
+    ) -> list[list[Completion]]:
         """Sample ``n`` responses per prompt, all requests submitted together.
 
         Args:
@@ -187,13 +170,16 @@ class RolloutEngine:
             seed: reseeds the worker RNG before sampling.
             temperature: sampling temperature (isoexec: must equal ``kernels.temperature``).
             full_vocab_every: if k > 0, prompts with index % k == 0 also return full-vocabulary
-                logprob rows (``Sample.full_rows``).
+                logprob rows (``Completion.full_logprobs``); None: the engine's default.
             ignore_eos: keep sampling past EOS up to ``max_tokens`` (fixed-length responses; the
                 distribution is untouched, unlike vLLM's ``min_tokens``, which masks EOS).
 
         Returns:
-            Samples ordered by (prompt_index, sample_index).
+            Per prompt (in order) its ``n`` :class:`~isoexec.engines.base.Completion` (float32 torch
+            logprobs; full rows where requested).
         """
+        if full_vocab_every is None:
+            full_vocab_every = self.full_vocab_every
         self.llm.collective_rpc("isoexec_reseed", args=(int(seed),))
         params, prompts = [], []
         for i, p in enumerate(prompt_token_ids):
@@ -202,10 +188,11 @@ class RolloutEngine:
                                                 ignore_eos=ignore_eos))
             prompts.append({"prompt_token_ids": [int(t) for t in p]})
         outs = self.llm.generate(prompts, params, use_tqdm=False)
-        samples = []
+        result = []
         for i, o in enumerate(outs):
             full = full_vocab_every > 0 and i % full_vocab_every == 0
-            for j, c in enumerate(o.outputs):
+            group = []
+            for c in o.outputs:
                 toks = list(c.token_ids)
                 lps = np.array([d[t].logprob for t, d in zip(toks, c.logprobs)], dtype=np.float32)
                 rows = None
@@ -214,8 +201,12 @@ class RolloutEngine:
                     for k, d in enumerate(c.logprobs):
                         ids = np.fromiter(d.keys(), dtype=np.int64)
                         rows[k, ids] = np.fromiter((x.logprob for x in d.values()), dtype=np.float32)
-                samples.append(Sample(i, j, toks, lps, c.finish_reason, rows))
-        return samples
+                group.append(Completion(toks, torch.from_numpy(lps), None if rows is None else torch.from_numpy(rows),
+                                        c.finish_reason))
+            if len(group) != n:
+                raise RuntimeError(f"vLLM returned {len(group)} samples for prompt {i}, asked for n={n}")
+            result.append(group)
+        return result
 
     def prompt_logprobs(self, sequences: Sequence[Sequence[int]], full_vocab: bool = False) -> list[np.ndarray]:
         """Engine prefill logprobs of each token of each sequence given the tokens before it.

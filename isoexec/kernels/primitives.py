@@ -1,14 +1,13 @@
 """Batch-invariant CPU building blocks: fixed-shape GEMM tiles, fixed-tree reductions and
 elementwise transcendental functions whose bits do not depend on a value's position in a tensor.
 
-Why these exist (measured on the project's CPUs, see ../shared/ENVIRONMENT.md and
-``tests/test_kernels_primitives.py``):
+Why these exist (measured on the project's CPUs, see ``tests/test_kernels_primitives.py``):
 
 * ``torch.matmul`` in fp32 picks a different MKL kernel for 1, 2-3 and >= 4 rows, so the bits of a
   row depend on how many rows are in the call. A call of one fixed shape ``[T, K] @ [K, M]`` gives
-  every row the same bits wherever it sits in the tile, and ``torch.bmm`` over a stack of such
-  tiles gives each tile the same bits whatever the stack's length. :func:`tile_mm` therefore pads
-  the rows to a multiple of the contract's ``row_tile`` and runs one ``bmm`` over the tiles.
+  every row the same bits wherever it sits in the tile; a ``bmm`` over a stack of such tiles does
+  not (for some shapes the stack's length changes the kernel). :func:`tile_mm` therefore pads the
+  rows to a multiple of the contract's ``row_tile`` and runs one ``torch.mm`` per tile.
 * ``torch.sum`` may split a long reduction across threads depending on the tensor's size;
   :func:`tree_sum` adds halves in a fixed binary tree with elementwise adds (IEEE-exact per element).
 * ATen's vectorised loops run the scalar libm function on a loop's tail. For ``exp``, ``log``,

@@ -11,14 +11,13 @@ max_abs_diff, n_tokens, detail).
 
 from __future__ import annotations
 
-import csv
-import io
 import random
 from dataclasses import asdict, dataclass
 
 import torch
 
-from isoexec.model.qwen3_next import UnifiedModel
+from isoexec.io import csv_text
+from isoexec.model.unified import UnifiedModel
 
 GATE_COLUMNS = ["gate", "case_a", "case_b", "kernel_set", "dtype", "bitwise_equal", "max_abs_diff", "n_tokens", "detail"]
 
@@ -158,15 +157,9 @@ def run_gates(model: UnifiedModel, gates_cfg, chunk_size: int, kernel_set: str, 
 
 
 def gates_csv(results: list[GateResult]) -> str:
-    """The gate matrix as CSV text (columns :data:`GATE_COLUMNS`)."""
-    buf = io.StringIO()
-    w = csv.DictWriter(buf, fieldnames=GATE_COLUMNS)
-    w.writeheader()
-    for r in results:
-        row = asdict(r)
-        row["max_abs_diff"] = f"{r.max_abs_diff:.6e}"
-        w.writerow(row)
-    return buf.getvalue()
+    """The gate matrix as CSV text (columns :data:`GATE_COLUMNS`, ``max_abs_diff`` as ``%.6e``)."""
+    return csv_text([asdict(r) for r in results], GATE_COLUMNS,
+                    lambda c, v: f"{v:.6e}" if c == "max_abs_diff" else v)
 
 
 def gate_matrix(cfg, log=print):

@@ -5,7 +5,9 @@ One-liners for the workflow rules::
     isoexec rl init-model --config X.yaml --out runs/model/init
     isoexec rl sft   --config X.yaml --init runs/model/init --out runs/model/sft
     isoexec rl train --config X.yaml --mode native --seed 0 --init runs/model/sft \\
-        --out results/<exp>/rl/native/seed0 [--steps N] [--engine vllm|local] [--threads 1]
+        --out results/<exp>/rl/native/seed0 [--steps N] [--threads 1]
+
+The trainer and engine backends come from the experiment's ``trainer.backend`` / ``engine.backend``.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ def init_model(config: Path = typer.Option(..., help="experiment YAML"),
                threads: int = _THREADS) -> None:
     """Initialize the tiny Qwen3-Next of the config (+ task tokenizer) and save it as an HF checkpoint."""
     from isoexec.config import load_config
-    from isoexec.trainer.checkpoint import init_checkpoint
+    from isoexec.rl.sft import init_checkpoint
 
     _setup(threads)
     init_checkpoint(load_config(config).model, out, seed=seed)
@@ -65,7 +67,6 @@ def train(config: Path = typer.Option(..., help="experiment YAML"),
           init: Path = typer.Option(..., help="the SFT checkpoint"),
           out: Path = typer.Option(..., help="results/<exp>/rl/<mode>/seed<k>"),
           steps: int | None = typer.Option(None, help="override rl.steps"),
-          engine: str = typer.Option("vllm", help="vllm (default) | local (plain-PyTorch sampler, no vLLM)"),
           threads: int = _THREADS) -> None:
     """One paired-run half: GRPO/DAPO steps of MODE from INIT; writes metrics.jsonl + provenance.json."""
     from isoexec.config import load_config
@@ -74,17 +75,7 @@ def train(config: Path = typer.Option(..., help="experiment YAML"),
     if mode not in ("native", "isoexec"):
         raise typer.BadParameter("--mode must be native or isoexec")
     _setup(threads)
-    cfg = load_config(config)
-    eng = None
-    if engine == "local":
-        from isoexec.rl.local_engine import LocalEngine
-        from isoexec.rl.tokenizer import load_tokenizer
-        from isoexec.trainer.policy import load_policy
-
-        eng = LocalEngine(load_policy(mode, init, cfg), load_tokenizer(init).eos_token_id)
-    elif engine != "vllm":
-        raise typer.BadParameter("--engine must be vllm or local")
-    rows = run_rl(cfg, mode, seed, init, out, steps=steps, engine=eng)
+    rows = run_rl(load_config(config), mode, seed, init, out, steps=steps)
     t = sum(r["time/step"] for r in rows) / max(1, len(rows))
     typer.echo(f"{mode} seed {seed}: {len(rows)} steps, mean step {t:.2f}s, final reward "
                f"{rows[-1]['reward_mean'] if rows else float('nan'):.3f}; wrote {out}/metrics.jsonl")

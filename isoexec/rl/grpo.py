@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from isoexec.rl.interfaces import Completion
+from isoexec.engines.base import Completion
 
 
 def group_advantages(rewards: torch.Tensor, std_norm: bool = True, eps: float = 1e-6) -> torch.Tensor:

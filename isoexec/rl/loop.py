@@ -31,11 +31,11 @@ from isoexec.config import ExperimentConfig
 from isoexec.io import atomic_write_json
 from isoexec.provenance import provenance
 from isoexec.rl import grpo, metrics
-from isoexec.rl.interfaces import Engine, Policy
+from isoexec.engines.base import Engine
 from isoexec.rl.task import Problem, make_splits, reward
 from isoexec.rl.tokenizer import encode_prompt, load_tokenizer
 from isoexec.trainer.optim import MasterAdamW
-from isoexec.trainer.policy import sync_state
+from isoexec.trainer.base import Policy, sync_state
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +144,8 @@ def run_rl(config: ExperimentConfig, mode: str, seed: int, init_dir: str | Path,
 
     Args:
         engine, policy: injected implementations (tests); default the vLLM engine and the trainer of
-            ``mode`` (:func:`isoexec.trainer.policy.load_policy`), both from ``init_dir``.
+            ``mode`` (:func:`isoexec.engines.factory.load_engine`, :func:`isoexec.trainer.factory.load_trainer`),
+            both from ``init_dir``.
         command: recorded in ``provenance.json`` (default ``sys.argv``).
 
     Writes ``out_dir/metrics.jsonl`` (one row per step) and ``out_dir/provenance.json``.
@@ -162,15 +163,15 @@ def run_rl(config: ExperimentConfig, mode: str, seed: int, init_dir: str | Path,
     tok = load_tokenizer(init_dir)
     train, _ = make_splits(config.task)
     if policy is None:
-        from isoexec.trainer.policy import load_policy
+        from isoexec.trainer.factory import load_trainer
 
-        policy = load_policy(mode, init_dir, config)
+        policy = load_trainer(config, mode, init_dir)
     optimizer = MasterAdamW(policy.named_parameters(), lr=rl.lr, weight_decay=rl.weight_decay,
                             max_grad_norm=rl.max_grad_norm)
     if engine is None:
-        from isoexec.rl.engine_adapter import VLLMEngine
+        from isoexec.engines.factory import load_engine
 
-        engine = VLLMEngine(init_dir, mode, config, seed=seed)
+        engine = load_engine(config, mode, init_dir, seed=seed)
     prov = provenance(command)
     prov["run"] = {"mode": mode, "seed": seed, "init": str(init_dir), "steps": steps or rl.steps,
                    "engine": type(engine).__name__, "trainer": type(policy).__name__,

@@ -26,11 +26,11 @@ import torch
 
 from isoexec.config import ExperimentConfig
 from isoexec.io import atomic_write_json
+from isoexec.model.hf import DTYPES, build_checkpoint, save_hf_model
 from isoexec.provenance import provenance
-from isoexec.rl.local_engine import LocalEngine
+from isoexec.engines.local import LocalEngine
 from isoexec.rl.task import Problem, answer_tokens, make_splits, reward
-from isoexec.rl.tokenizer import encode_prompt, load_tokenizer
-from isoexec.trainer.checkpoint import DTYPES, save_checkpoint
+from isoexec.rl.tokenizer import build_tokenizer, encode_prompt, load_tokenizer
 from isoexec.trainer.hf_policy import HFPolicy
 
 log = logging.getLogger(__name__)
@@ -127,7 +127,7 @@ def run_sft(config: ExperimentConfig, init_dir: str | Path, out_dir: str | Path,
         log.warning("SFT ended at step %d with accuracy %s outside the band [%s, %s]", step,
                     result.get("accuracy"), lo, hi)
     out_dir = Path(out_dir)
-    save_checkpoint(policy.model, tok, out_dir, DTYPES[config.model.dtype])
+    save_hf_model(policy.model, out_dir, DTYPES[config.model.dtype], tok)
     metrics = {
         "accuracy": result.get("accuracy"),
         "greedy_accuracy": result.get("greedy_accuracy"),
@@ -144,3 +144,10 @@ def run_sft(config: ExperimentConfig, init_dir: str | Path, out_dir: str | Path,
     }
     atomic_write_json(out_dir / "sft_metrics.json", metrics)
     return metrics
+
+
+def init_checkpoint(section, out: str | Path, seed: int = 0) -> Path:
+    """The RL task's initial checkpoint: a fresh ``Qwen3NextForCausalLM`` of ``section`` (an
+    ``isoexec.config.ModelSection``) with the task tokenizer (:func:`isoexec.model.hf.build_checkpoint`,
+    deterministic in ``seed``)."""
+    return build_checkpoint(out, section, seed=seed, tokenizer=build_tokenizer())

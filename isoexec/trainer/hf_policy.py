@@ -98,29 +98,14 @@ class HFPolicy:
             return torch.log_softmax(logits.float() / self.temperature, dim=-1)
 
     def checkpoint_state_dict(self) -> dict[str, torch.Tensor]:
-        """Parameters under the *checkpoint* names that vLLM and the unified model load.
+        """Parameters under the *checkpoint* names that vLLM and the unified model load (detached).
 
-        transformers 5 fuses each MoE block's experts on load (``mlp.experts.gate_up_proj [E, 2I, H]``,
-        ``mlp.experts.down_proj [E, H, I]``); the checkpoint (and vLLM's ``load_weights``) keep one
-        tensor per expert (``mlp.experts.<e>.{gate,up,down}_proj.weight``). This splits them back
-        (views, no copy); every other parameter keeps its name.
+        transformers 5 fuses each MoE block's experts on load; :data:`isoexec.model.hf.HF_NAMES`
+        splits them back into per-expert views (no copy); every other parameter keeps its name.
         """
-        out: dict[str, torch.Tensor] = {}
-        for name, p in self.model.named_parameters():
-            t = p.detach()
-            if name.endswith("mlp.experts.gate_up_proj"):
-                base = name[: -len("gate_up_proj")]
-                inter = t.shape[1] // 2
-                for e in range(t.shape[0]):
-                    out[f"{base}{e}.gate_proj.weight"] = t[e, :inter]
-                    out[f"{base}{e}.up_proj.weight"] = t[e, inter:]
-            elif name.endswith("mlp.experts.down_proj"):
-                base = name[: -len("down_proj")]
-                for e in range(t.shape[0]):
-                    out[f"{base}{e}.down_proj.weight"] = t[e]
-            else:
-                out[name] = t
-        return out
+        from isoexec.model.hf import HF_NAMES
+
+        return HF_NAMES.apply({n: p.detach() for n, p in self.model.named_parameters()})
 
     def contract(self):
         """The native trainer carries no execution contract."""

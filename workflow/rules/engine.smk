@@ -20,6 +20,8 @@ rule rollout_check:
     threads: ALL_CORES
     params:
         config=CONFIGFILE,
-        settings=settings_digest("device", "model", "kernels", "task", "engine"),
+        settings=settings_digest(
+            "device", "model", "kernels", "task", "trainer", "engine"
+        ),
     shell:
         "isoexec rollout-check --config {params.config} --checkpoint {input} > {log} 2>&1"

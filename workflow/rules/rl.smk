@@ -19,7 +19,9 @@ rule rl_train:
     params:
         config=CONFIGFILE,
         out=lambda wildcards, output: os.path.dirname(output.metrics),
-        settings=settings_digest("device", "model", "kernels", "task", "rl", "engine"),
+        settings=settings_digest(
+            "device", "model", "kernels", "task", "rl", "trainer", "engine"
+        ),
     shell:
         "isoexec rl train --config {params.config} --mode {wildcards.mode} --seed {wildcards.seed}"
         " --init {input.init} --out {params.out} > {log} 2>&1"

@@ -1,1 +1,2 @@
-"""Gated DeltaNet core (region ``gdn.core``): fp64 reference, CPR (isoexec) and native implementations."""
+"""Gated DeltaNet (``gdn.core``, ``gdn.gating``): the token-by-token reference (``reference.py``), CPR
+on CPU (``cpu.py``) and in Triton (``triton.py``), and the native chunked/recurrent kernels."""

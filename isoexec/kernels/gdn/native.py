@@ -1,8 +1,14 @@
-"""Native Gated DeltaNet: transformers' stock torch kernels, chunked for sequences and recurrent for decode.
+"""Native Gated DeltaNet (regions ``gdn.core``, ``gdn.gating``): the stock kernels, chunked for
+sequences and recurrent for decode. The two use different reduction orders, so decode and prefill
+differ in the last bits: the negative control.
 
-This is what the Hugging Face model runs on CPU (``torch_chunk_gated_delta_rule`` for prefill and
-training, ``torch_recurrent_gated_delta_rule`` for one-token decode from a cache). The two use
-different reduction orders, so decode and prefill differ in the last bits: the negative control.
+* CPU: what the Hugging Face model runs (transformers' ``torch_chunk_gated_delta_rule`` for prefill
+  and training, ``torch_recurrent_gated_delta_rule`` for one-token decode from a cache).
+* CUDA: flash-linear-attention's ``chunk_gated_delta_rule`` (varlen) and
+  ``fused_recurrent_gated_delta_rule``, as vLLM and fla-based trainers run them.
+
+:func:`chunk_reference` (transformers' chunked torch GDN under autograd) also gives every isoexec
+set its GDN gradient (the forward of ``trainer_fwd`` is bitwise, its backward is not).
 """
 
 from __future__ import annotations
@@ -73,3 +79,73 @@ def native_gdn(
         new_states.append(s[0].float())
         row0 += n
     return torch.cat(outs, dim=0), new_states
+
+
+def chunk_reference(lengths: list[int], chunk_size: int, q, k, v, g, beta) -> torch.Tensor:
+    """Differentiable GDN of packed sequences through transformers' chunked torch implementation.
+
+    Args:
+        lengths: tokens per sequence (sum N); each sequence starts from a zero state.
+        chunk_size: C of the chunked algorithm. q, k ``[N, H, Dk]`` (l2-normalised), v ``[N, H, Dv]``,
+            g / beta ``[N, H]``.
+
+    Returns:
+        o ``[N, H, Dv]`` fp32 (autograd graph kept).
+    """
+    chunk = torch_references()[0]
+    outs, row0 = [], 0
+    for n in lengths:
+        sl = slice(row0, row0 + n)
+        o, _ = chunk(q[sl][None], k[sl][None], v[sl][None], g=g[sl][None], beta=beta[sl][None], chunk_size=chunk_size)
+        outs.append(o[0].float())
+        row0 += n
+    return torch.cat(outs)
+
+
+def native_gating(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor):
+    """Region ``gdn.gating`` as transformers: ``beta = b.sigmoid()``, ``g = -exp(A_log) * softplus(a + dt_bias)``.
+
+    Returns:
+        (g ``[N, Hv]`` fp32, beta ``[N, Hv]`` fp32).
+    """
+    beta = b.sigmoid().float()
+    g = -A_log.float().exp() * torch.nn.functional.softplus(a.float() + dt_bias)
+    return g, beta
+
+
+def fla_gdn(q, k, v, g, beta, lengths, states):
+    """fla GDN as the native stacks run it: ``fused_recurrent_gated_delta_rule`` for one-token decode
+    steps from a state, ``chunk_gated_delta_rule`` (varlen) for everything else.
+
+    q, k ``[N, H, Dk]`` (l2-normalised), v ``[N, H, Dv]``, g / beta ``[N, H]``; states per piece
+    ``[H, Dk, Dv]`` fp32 or None. Returns (o ``[N, H, Dv]`` fp32, new states)."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+
+    N, H, Dk = k.shape
+    Dv = v.shape[-1]
+    dev = q.device
+    o = torch.empty((N, H, Dv), device=dev, dtype=torch.float32)
+    new_states = [None] * len(lengths)
+    starts = [0]
+    for n in lengths:
+        starts.append(starts[-1] + n)
+    dec = [i for i, (n, s) in enumerate(zip(lengths, states)) if n == 1 and s is not None]
+    seq = [i for i in range(len(lengths)) if i not in set(dec)]
+    if dec:
+        rows = torch.tensor([starts[i] for i in dec], device=dev)
+        h0 = torch.stack([states[i] for i in dec])
+        od, hd = fused_recurrent_gated_delta_rule(q[rows][:, None], k[rows][:, None], v[rows][:, None], g=g[rows][:, None],
+                                                  beta=beta[rows][:, None], initial_state=h0, output_final_state=True)
+        o[rows] = od[:, 0].float()
+        for j, i in enumerate(dec):
+            new_states[i] = hd[j].float()
+    if seq:
+        rows = torch.cat([torch.arange(starts[i], starts[i + 1], device=dev) for i in seq])
+        cu = torch.tensor([0] + [lengths[i] for i in seq], device=dev).cumsum(0)
+        h0 = torch.stack([states[i] if states[i] is not None else torch.zeros(H, Dk, Dv, device=dev) for i in seq])
+        oc, hc = chunk_gated_delta_rule(q[rows][None], k[rows][None], v[rows][None], g=g[rows][None], beta=beta[rows][None],
+                                        initial_state=h0.float(), output_final_state=True, cu_seqlens=cu)
+        o[rows] = oc[0].float()
+        for j, i in enumerate(seq):
+            new_states[i] = hc[j].float()
+    return o, new_states

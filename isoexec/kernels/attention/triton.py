@@ -1,0 +1,129 @@
+"""Causal GQA attention in Triton (region ``attn.core``), one kernel for prefill, chunked prefill,
+decode and the trainer.
+
+Same contract as :func:`isoexec.kernels.attention.cpu.iso_attention`: a tile holds ``BM`` rows of one
+(sequence, kv head) (row r = query ``r // group``, head ``h * group + r % group``, so decode packs a
+GQA group into one tile), keys are visited in fixed blocks of ``BN = kv_block`` absolute positions
+from block 0 upwards, with one online-softmax update (fp32 m, l, acc; ``p`` rounded to the input
+dtype for the PV product). A block wholly after a row's position is an exact no-op for that row, so
+the same query gets the same bits whatever the case, the tile it lands in, or the other sequences.
+No split-KV.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from isoexec.kernels.autograd import with_ref_grad
+
+DOT_PRECISION = "ieee"
+
+
+@triton.jit
+def _attn_kernel(q_ptr, k_ptr, v_ptr, o_ptr, meta_ptr, sm_scale,
+                 stride_qn, stride_qh, stride_kn, stride_kh, stride_on, stride_oh,
+                 GROUP: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr):
+    tile = tl.program_id(0)
+    h = tl.program_id(1)
+    q_row0 = tl.load(meta_ptr + tile * 5 + 0)
+    n = tl.load(meta_ptr + tile * 5 + 1)
+    kv_off = tl.load(meta_ptr + tile * 5 + 2)
+    start = tl.load(meta_ptr + tile * 5 + 3)
+    r0 = tl.load(meta_ptr + tile * 5 + 4)
+    r = r0 + tl.arange(0, BM)
+    rmask = r < n * GROUP
+    qi = tl.minimum(r // GROUP, n - 1)  # pad rows re-run the last query (never stored)
+    head = h * GROUP + r % GROUP
+    pos = start + qi
+    d = tl.arange(0, D)
+    q_offs = (q_row0 + qi).to(tl.int64)[:, None] * stride_qn + head[:, None] * stride_qh + d[None, :]
+    q = tl.load(q_ptr + q_offs)
+    kv_len = start + n
+    max_pos = start + tl.minimum((r0 + BM - 1) // GROUP, n - 1)
+    n_blocks = max_pos // BN + 1
+    m = tl.full((BM,), float("-inf"), tl.float32)
+    l = tl.zeros((BM,), tl.float32)
+    acc = tl.zeros((BM, D), tl.float32)
+    for blk in range(0, n_blocks):
+        kpos = blk * BN + tl.arange(0, BN)
+        kmask = kpos < kv_len
+        kv_offs = (kv_off + kpos).to(tl.int64)[:, None] * stride_kn + h * stride_kh + d[None, :]
+        kb = tl.load(k_ptr + kv_offs, mask=kmask[:, None], other=0.0)
+        vb = tl.load(v_ptr + kv_offs, mask=kmask[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(kb), input_precision=PREC) * sm_scale
+        s = tl.where(kpos[None, :] > pos[:, None], float("-inf"), s)
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m - m_new)
+        l = l * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb, input_precision=PREC)
+        m = m_new
+    out = acc / l[:, None]
+    o_offs = (q_row0 + qi).to(tl.int64)[:, None] * stride_on + head[:, None] * stride_oh + d[None, :]
+    tl.store(o_ptr + o_offs, out.to(o_ptr.dtype.element_ty), mask=rmask[:, None])
+
+
+def attention(q: torch.Tensor, kv: list[tuple[torch.Tensor, torch.Tensor]], starts: list[int], lengths: list[int],
+              kv_block: int, block_m: int) -> torch.Tensor:
+    """Blockwise causal attention over per-sequence caches.
+
+    Args:
+        q: ``[N, Hq, D]`` queries of all pieces, concatenated in order (after norm and RoPE).
+        kv: per piece ``(K, V)``, each ``[start_b + n_b, Hkv, D]`` (cache + new keys).
+        starts: absolute position of each piece's first query. lengths: queries per piece (sum N).
+        kv_block: keys per block (absolute positions; contract ``kv_block``).
+        block_m: query rows per tile (``kernels.triton.attn_block_m``).
+
+    Returns:
+        ``[N, Hq, D]`` in ``q.dtype``; scale ``1/sqrt(D)``.
+    """
+    N, hq, d = q.shape
+    out = torch.empty_like(q)
+    if N == 0:
+        return out
+    hkv = kv[0][0].shape[1]
+    group = hq // hkv
+    K = torch.cat([k for k, _ in kv]).to(q.dtype).contiguous()
+    V = torch.cat([v for _, v in kv]).to(q.dtype).contiguous()
+    q = q.contiguous()
+    meta = []
+    q_row0, kv_off = 0, 0
+    for (k, _), s, n in zip(kv, starts, lengths):
+        for r0 in range(0, n * group, block_m):
+            meta.append((q_row0, n, kv_off, s, r0))
+        q_row0 += n
+        kv_off += k.shape[0]
+    meta_t = torch.tensor(meta, dtype=torch.int32).to(q.device, non_blocking=True)
+    _attn_kernel[(len(meta), hkv)](q, K, V, out, meta_t, 1.0 / math.sqrt(d),
+                                   q.stride(0), q.stride(1), K.stride(0), K.stride(1), out.stride(0), out.stride(1),
+                                   GROUP=group, D=d, BM=block_m, BN=kv_block, PREC=DOT_PRECISION,
+                                   num_warps=4 if d <= 64 else 8, num_stages=2)
+    return out
+
+
+def _ref_attention(q, starts, lengths, *kvs):
+    """Differentiable fp32 attention with the same masking (gradient only)."""
+    outs, row0 = [], 0
+    for b, (s, n) in enumerate(zip(starts, lengths)):
+        k, v = kvs[2 * b], kvs[2 * b + 1]
+        hq, hkv, d = q.shape[1], k.shape[1], q.shape[2]
+        qb = q[row0 : row0 + n].float().transpose(0, 1)  # [Hq, n, D]
+        kb = k.float().repeat_interleave(hq // hkv, dim=1).transpose(0, 1)
+        vb = v.float().repeat_interleave(hq // hkv, dim=1).transpose(0, 1)
+        sc = qb @ kb.transpose(1, 2) / math.sqrt(d)
+        mask = torch.arange(k.shape[0], device=q.device)[None, :] > (s + torch.arange(n, device=q.device))[:, None]
+        sc = sc.masked_fill(mask, float("-inf"))
+        outs.append((torch.softmax(sc, -1) @ vb).transpose(0, 1))
+        row0 += n
+    return torch.cat(outs).to(q.dtype)
+
+
+def attention_autograd(q, kv, starts, lengths, kv_block: int, block_m: int) -> torch.Tensor:
+    """:func:`attention` whose gradient is that of a plain fp32 softmax attention."""
+    flat = [t for pair in kv for t in pair]
+    return with_ref_grad(lambda qq, *f: attention(qq, list(zip(f[0::2], f[1::2])), starts, lengths, kv_block, block_m),
+                         lambda qq, *f: _ref_attention(qq, starts, lengths, *f), q, *flat)

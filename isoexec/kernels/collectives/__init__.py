@@ -1,0 +1,1 @@
+"""Parallel-invariant (pik) GEMMs and combines over ``torch.distributed`` and the gloo test harness."""

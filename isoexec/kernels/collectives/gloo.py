@@ -1,0 +1,52 @@
+"""Run a function on several local CPU processes in one gloo group (tests, ``isoexec pik-check``,
+the CPU benchmarks of the parallel layouts)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+
+import torch
+import torch.distributed as dist
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _gloo_entry(rank: int, world_size: int, port: int, out_dir: str, fn, args) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    try:
+        result = fn(rank, world_size, *args)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def run_gloo(fn, world_size: int, *args, start_method: str = "forkserver") -> list:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` local processes in one gloo group
+    (127.0.0.1, a free port, one intra-op thread each) and return the per-rank results.
+
+    ``fn`` must be importable (module level) and return something ``torch.save`` can store. The
+    default ``forkserver`` forks children from a clean server process that has pre-imported torch and
+    this module once: a plain ``fork`` from a process whose OpenMP/MKL thread pools are running (any
+    process that already ran torch ops, e.g. a test session) can deadlock the child, and ``spawn``
+    re-imports the package in every child (seconds each on a small CPU).
+    """
+    import multiprocessing
+
+    import torch.multiprocessing as mp
+
+    if start_method == "forkserver":
+        multiprocessing.get_context("forkserver").set_forkserver_preload(["torch", "torch.distributed", __name__])
+    with tempfile.TemporaryDirectory() as d:
+        mp.start_processes(
+            _gloo_entry, args=(world_size, _free_port(), d, fn, args), nprocs=world_size, join=True,
+            start_method=start_method,
+        )
+        return [torch.load(os.path.join(d, f"rank{r}.pt")) for r in range(world_size)]

@@ -1,0 +1,14 @@
+"""Native causal conv1d: transformers' ``F.conv1d`` (depthwise) + ``F.silu`` in the activation dtype."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def native_causal_conv1d(x: torch.Tensor, w: torch.Tensor, prefix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF-style ``F.conv1d`` (depthwise, padding from the prefix) + ``F.silu`` in the activation dtype."""
+    kc = w.shape[1]
+    full = torch.cat([prefix.to(x.dtype), x], dim=0)  # [Kc-1+L, C]
+    y = F.conv1d(full.t().unsqueeze(0), w.to(x.dtype).unsqueeze(1), groups=w.shape[0])[0].t()
+    return F.silu(y), full[-(kc - 1) :] if kc > 1 else prefix

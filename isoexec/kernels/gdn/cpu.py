@@ -1,0 +1,248 @@
+"""Chunkwise-parallel recurrent (CPR) Gated DeltaNet: one set of bits for trainer, prefill and decode.
+
+Algorithm (the IsoExec design brief, DESIGN §3), chunk size C from the contract:
+
+1. **State pass** (fp32 chain): the state entering chunk c+1 is ``F(S_c, chunk c)``, computed in
+   the chunkwise WY/UT form (Yang et al., "Parallelizing Linear Transformers with the Delta Rule
+   over Sequence Length", NeurIPS 2024; Gated DeltaNet, ICLR 2025)::
+
+       G   = cumsum(g)                                  (within the chunk)
+       A   = strict_lower(beta_i (k_i . k_j) exp(G_i - G_j))
+       T   = (I + A)^-1                                  (forward substitution, fixed order)
+       U   = T (beta * (V - exp(G) * (K S_c)))
+       S_{c+1} = exp(G_C) S_c + (K * exp(G_C - G))^T U
+
+2. **In-chunk scan**: every chunk is scanned token by token from its entry state with the plain
+   recurrence (see ``reference.py``); all chunks of all sequences advance together.
+
+Decode runs the same per-token recurrence, buffers the open chunk's (k, v, g, beta) and, when the
+chunk completes, re-runs ``F`` over the buffer from the stored fp32 entry state and replaces the
+running state with the result (resync). So every case sees the same state at each chunk boundary
+and the same in-chunk scan. Every product is a ``torch.bmm`` whose per-matrix bits do not depend
+on the batch (see ``isoexec/kernels/primitives.py``); everything else is elementwise.
+
+Backward (``trainer_fwd``) is not bitwise: the kernel set wraps :func:`cpr_gdn` with
+:func:`isoexec.kernels.autograd.with_ref_grad`, so gradients come from transformers' chunked torch
+implementation (:func:`isoexec.kernels.gdn.native.chunk_reference`) under autograd.
+
+The gating region (``gdn.gating``, :func:`iso_gating`) lives here too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from isoexec.kernels.primitives import sigmoid, softplus
+
+
+@dataclass
+class CPRState:
+    """Per-sequence CPR state of one GDN layer (all fp32).
+
+    Attributes:
+        chunk_size: the chunk size C that built this state (a state refuses to continue under another C).
+        entry: ``[H, Dk, Dv]`` state entering the open chunk (output of the state pass).
+        running: ``[H, Dk, Dv]`` state after the last consumed token.
+        buf_k: ``[n_open, H, Dk]``, buf_v ``[n_open, H, Dv]``, buf_g / buf_beta ``[n_open, H]``: the raw
+            inputs of the open chunk (n_open = consumed tokens mod C).
+    """
+
+    chunk_size: int
+    entry: torch.Tensor
+    running: torch.Tensor
+    buf_k: torch.Tensor
+    buf_v: torch.Tensor
+    buf_g: torch.Tensor
+    buf_beta: torch.Tensor
+
+    @property
+    def n_open(self) -> int:
+        return self.buf_k.shape[0]
+
+    @classmethod
+    def zeros(cls, chunk_size: int, h: int, dk: int, dv: int) -> "CPRState":
+        z = torch.zeros(h, dk, dv)
+        return cls(chunk_size, z, z.clone(), torch.zeros(0, h, dk), torch.zeros(0, h, dv), torch.zeros(0, h), torch.zeros(0, h))
+
+
+def _ut_inverse(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunk-only quantities of the state pass for M chunks: ``T = (I + A)^-1`` and the cumulative decay.
+
+    Args: k ``[M, C, Dk]``, g / beta ``[M, C]``. Returns (T ``[M, C, C]``, G ``[M, C]``).
+    """
+    M, C, _ = k.shape
+    G = torch.cumsum(g, dim=1)
+    kk = torch.bmm(k, k.transpose(1, 2).contiguous())  # [M, C, C]
+    diff = G[:, :, None] - G[:, None, :]
+    lower = torch.ones(C, C, dtype=torch.bool).tril(-1)
+    A = torch.where(lower, beta[:, :, None] * kk * torch.exp(torch.where(lower, diff, torch.zeros_like(diff))), 0.0)
+    T = torch.eye(C).expand(M, C, C).clone()
+    for i in range(1, C):
+        T[:, i, :i] = -torch.bmm(A[:, i : i + 1, :i].contiguous(), T[:, :i, :i].contiguous())[:, 0]
+    return T, G
+
+
+def _state_pass_step(S: torch.Tensor, k, v, beta, T, G) -> torch.Tensor:
+    """``F(S, chunk)`` for M (chunk, head) pairs: S ``[M, Dk, Dv]``, k ``[M, C, Dk]``, v ``[M, C, Dv]``."""
+    ks = torch.bmm(k, S)  # [M, C, Dv]
+    B = beta[:, :, None] * (v - torch.exp(G)[:, :, None] * ks)
+    U = torch.bmm(T, B)
+    kd = (k * torch.exp(G[:, -1:] - G)[:, :, None]).transpose(1, 2).contiguous()  # [M, Dk, C]
+    return torch.exp(G[:, -1])[:, None, None] * S + torch.bmm(kd, U)
+
+
+def _scan(S: torch.Tensor, q, k, v, g, beta) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-by-token recurrence for M segments in parallel from states S ``[M, Dk, Dv]``.
+
+    q, k ``[M, L, Dk]`` (q already scaled), v ``[M, L, Dv]``, g / beta ``[M, L]``; padded tokens carry
+    zeros and leave S exactly unchanged. Returns (o ``[M, L, Dv]``, final S). In-place updates of
+    one state buffer (same elementwise operations as the reference, fewer allocations).
+    """
+    S = S.clone()
+    decay = torch.exp(g)
+    outer = torch.empty_like(S)
+    outs = []
+    for t in range(q.shape[1]):
+        S.mul_(decay[:, t, None, None])
+        kv = torch.bmm(k[:, t : t + 1], S)[:, 0]  # [M, Dv]
+        u = (v[:, t] - kv) * beta[:, t, None]
+        torch.mul(k[:, t, :, None], u[:, None, :], out=outer)
+        S.add_(outer)
+        outs.append(torch.bmm(q[:, t : t + 1], S)[:, 0])
+    return torch.stack(outs, dim=1), S
+
+
+def cpr_gdn(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    lengths: list[int],
+    states: list[CPRState | None],
+    chunk_size: int,
+    keep_state: bool = True,
+) -> tuple[torch.Tensor, list[CPRState | None]]:
+    """CPR gated delta rule over a batch of sequence pieces (prefill chunks, decode tokens, trainer sequences).
+
+    Args:
+        q, k: ``[N, H, Dk]`` fp32, l2-normalised (q is scaled by ``Dk**-0.5`` here). v: ``[N, H, Dv]`` fp32.
+        g: ``[N, H]`` log decay (<= 0). beta: ``[N, H]``.
+        lengths: new tokens per sequence (sum N). states: per sequence :class:`CPRState` or None (fresh).
+        chunk_size: C. keep_state: return new states (False for the trainer).
+
+    Returns:
+        (o ``[N, H, Dv]`` fp32, new states or Nones). Not differentiable (see the module docstring).
+
+    Raises:
+        ValueError: a state built with another chunk size than ``chunk_size``.
+    """
+    N, H, Dk = k.shape
+    Dv = v.shape[-1]
+    C = chunk_size
+    bad = [st.chunk_size for st in states if st is not None and st.chunk_size != C]
+    if bad:
+        raise ValueError(f"a GDN state built with chunk size C={bad[0]} cannot continue under C={C}")
+    q = q * Dk**-0.5
+    # ---- per sequence: full chunk-aligned inputs (open buffer + new tokens)
+    seqs = []
+    row0 = 0
+    for n, st in zip(lengths, states):
+        st = st if st is not None else CPRState.zeros(C, H, Dk, Dv)
+        sl = slice(row0, row0 + n)
+        fk = torch.cat([st.buf_k, k[sl]])
+        fv = torch.cat([st.buf_v, v[sl]])
+        fg = torch.cat([st.buf_g, g[sl]])
+        fb = torch.cat([st.buf_beta, beta[sl]])
+        seqs.append(dict(st=st, n=n, row0=row0, k=fk, v=fv, g=fg, b=fb, m=st.n_open + n))
+        row0 += n
+    # ---- chunk-only quantities for every complete chunk, all at once
+    complete = []  # (seq, chunk) in order
+    for i, s in enumerate(seqs):
+        complete += [(i, c) for c in range(s["m"] // C)]
+    entries: dict[tuple[int, int], torch.Tensor] = {}
+    for i, s in enumerate(seqs):
+        entries[(i, 0)] = s["st"].entry
+    if complete:
+        ck = torch.stack([seqs[i]["k"][c * C : (c + 1) * C].transpose(0, 1) for i, c in complete])  # [nc, H, C, Dk]
+        cv = torch.stack([seqs[i]["v"][c * C : (c + 1) * C].transpose(0, 1) for i, c in complete])
+        cg = torch.stack([seqs[i]["g"][c * C : (c + 1) * C].t() for i, c in complete])  # [nc, H, C]
+        cb = torch.stack([seqs[i]["b"][c * C : (c + 1) * C].t() for i, c in complete])
+        nc = len(complete)
+        ck, cv = ck.reshape(nc * H, C, Dk).contiguous(), cv.reshape(nc * H, C, Dv).contiguous()
+        cg, cb = cg.reshape(nc * H, C).contiguous(), cb.reshape(nc * H, C).contiguous()
+        T, G = _ut_inverse(ck, cg, cb)
+        index = {sc: j for j, sc in enumerate(complete)}
+        # ---- the fp32 state chain, batched across sequences at each chunk index
+        for c in range(max(s["m"] // C for s in seqs)):
+            members = [i for i, s in enumerate(seqs) if s["m"] // C > c]
+            rows = torch.cat([torch.arange(index[(i, c)] * H, index[(i, c)] * H + H) for i in members])
+            S = torch.cat([entries[(i, c)] for i in members])  # [len*H, Dk, Dv]
+            S_next = _state_pass_step(S, ck[rows], cv[rows], cb[rows], T[rows], G[rows])
+            for j, i in enumerate(members):
+                entries[(i, c + 1)] = S_next[j * H : (j + 1) * H]
+    # ---- segments: new tokens of each touched chunk, scanned from that chunk's start state
+    seg_state, seg_q, seg_k, seg_v, seg_g, seg_b, seg_where = [], [], [], [], [], [], []
+    for i, s in enumerate(seqs):
+        n_open, m = s["st"].n_open, s["m"]
+        for c in range(n_open // C, -(-m // C) if m else 0):
+            a, b = max(c * C, n_open), min((c + 1) * C, m)
+            if a >= b:
+                continue
+            start = s["st"].running if c == n_open // C else entries[(i, c)]
+            rows = slice(s["row0"] + a - n_open, s["row0"] + b - n_open)
+            seg_state.append(start)
+            seg_q.append(q[rows].transpose(0, 1))
+            seg_k.append(s["k"][a:b].transpose(0, 1))
+            seg_v.append(s["v"][a:b].transpose(0, 1))
+            seg_g.append(s["g"][a:b].t())
+            seg_b.append(s["b"][a:b].t())
+            seg_where.append((i, c, rows, b - a))
+    out = q.new_zeros(N, H, Dv)
+    final_running: dict[int, torch.Tensor] = {}
+    if seg_where:
+        L = max(w[3] for w in seg_where)
+
+        def pad(xs, dims):
+            return torch.cat(
+                [torch.nn.functional.pad(x, (0, 0) * (dims - 1) + (0, L - x.shape[1])) for x in xs]
+            ).contiguous()
+
+        S0 = torch.cat(seg_state)  # [nseg*H, Dk, Dv]
+        # Padded steps leave S exactly unchanged, so S_fin holds each segment's state after its last token.
+        o, S_fin = _scan(S0, pad(seg_q, 2), pad(seg_k, 2), pad(seg_v, 2), pad(seg_g, 1), pad(seg_b, 1))
+        o = o.reshape(len(seg_where), H, L, Dv)
+        for j, (i, c, rows, n) in enumerate(seg_where):
+            out[rows] = o[j, :, :n].transpose(0, 1)
+            final_running[i] = S_fin[j * H : (j + 1) * H]
+    if not keep_state:
+        return out, [None] * len(seqs)
+    new_states = []
+    for i, s in enumerate(seqs):
+        m, nfull = s["m"], s["m"] // C
+        entry = entries[(i, nfull)]
+        if m % C == 0:
+            running = entry  # chunk boundary: resync to the state pass
+        else:
+            running = final_running.get(i, s["st"].running)
+        t0 = nfull * C
+        new_states.append(CPRState(C, entry, running, s["k"][t0:], s["v"][t0:], s["g"][t0:], s["b"][t0:]))
+    return out, new_states
+
+
+def iso_gating(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor):
+    """Region ``gdn.gating``: ``beta = sigmoid(b)`` (rounded to ``b.dtype``, as transformers) and the log
+    decay ``g = -exp(A_log) * softplus(a + dt_bias)``, fp32 math with the position-invariant
+    transcendental functions (also the CUDA set's, as torch elementwise ops there).
+
+    Args:
+        a, b: ``[N, Hv]`` (boundary dtype). A_log, dt_bias: ``[Hv]``.
+
+    Returns:
+        (g ``[N, Hv]`` fp32, beta ``[N, Hv]`` fp32).
+    """
+    beta = sigmoid(b.float()).to(b.dtype).float()
+    g = -torch.exp(A_log.float()) * softplus(a.float() + dt_bias.float())
+    return g, beta

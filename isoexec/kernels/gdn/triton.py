@@ -1,0 +1,410 @@
+"""CPR Gated DeltaNet in Triton (region ``gdn.core``): state pass over complete chunks, segmented
+token-by-token scan, and decode with a buffered open chunk and resync (DESIGN §3; the algorithm of
+:mod:`isoexec.kernels.gdn.cpu`, with GPU bits of its own).
+
+Three kernels, each one compiled code path used by every case:
+
+* ``_chunk_prep`` (one program per (chunk, head), all chunks in parallel): ``G = cumsum(g)``,
+  ``A = strict_lower(beta_i (k_i.k_j) exp(G_i - G_j))``, ``T = (I + A)^-1`` by forward substitution
+  (row order fixed), ``W = T (beta exp(G) K)``, ``U0 = T (beta V)``, ``KD = K exp(G_C - G)``,
+  ``dC = exp(G_C)``. A chunk's tokens come from the input rows and/or the sequence's open-chunk
+  buffer (decode resync, chunked prefill), loaded exactly, so the same chunk gives the same bits.
+* ``_state_chain`` (one program per (sequence, head, Dv block), sequential over that sequence's
+  complete chunks): ``S_{c+1} = dC S_c + KD^T (U0 - W S_c)`` in fp32 storage with ``tf32`` dots.
+  It is written in Triton (no batched cuBLAS GEMM whose algorithm depends on the batch count).
+* ``_scan`` (one program per (segment, head, Dv block)): the plain recurrence
+  ``S *= exp(g); u = beta (v - k^T S); S += k u^T; o = S^T q / sqrt(Dk)`` token by token from the
+  segment's start state (the entry state of its chunk, or the running state). Trainer and prefill
+  scan every chunk's new tokens as one segment each; decode scans one token per sequence.
+
+Decode keeps per sequence (a slot of a :class:`StatePool`): the fp32 entry state of the open chunk,
+the running state and the raw (k, v, g, beta) of the open chunk. When a chunk completes, the state
+pass re-runs over the buffered chunk from the entry state and the running state is replaced by the
+result (resync). So trainer, prefill, chunked prefill and decode see identical states at every chunk
+boundary and identical in-chunk scans.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+import triton
+import triton.language as tl
+
+
+
+def constants(chunk_size: int, cfg) -> dict:
+    """The contract constants of :func:`cpr_gdn` (``cfg``: ``isoexec.config.TritonSection``)."""
+    return {"chunk_size": chunk_size, "state_dtype": "float32", "state_pass": "wy_ut_forward_subst_chain",
+            "state_pass_dot_precision": cfg.gdn_dot_precision, "chain_tile_v": cfg.gdn_chain_bv,
+            "chain_num_warps": cfg.gdn_chain_warps, "prep_num_warps": cfg.gdn_prep_warps, "in_chunk": "recurrent",
+            "scan_tile_v": cfg.gdn_scan_bv, "scan_num_warps": cfg.gdn_scan_warps, "decode_resync": True}
+
+
+@triton.jit
+def _chunk_prep(k_ptr, v_ptr, g_ptr, b_ptr, bk_ptr, bv_ptr, bg_ptr, bb_ptr, meta_ptr,
+                w_ptr, u_ptr, kd_ptr, dc_ptr, H,
+                C: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, PREC: tl.constexpr):
+    j = tl.program_id(0)
+    h = tl.program_id(1)
+    in_row0 = tl.load(meta_ptr + j * 3 + 0)
+    nb = tl.load(meta_ptr + j * 3 + 1)
+    slot = tl.load(meta_ptr + j * 3 + 2).to(tl.int64)
+    t = tl.arange(0, C)
+    dk = tl.arange(0, DK)
+    dv = tl.arange(0, DV)
+    from_buf = t < nb
+    row = (in_row0 + t).to(tl.int64)
+    brow = slot * C + t  # buffer row (slot-major [P, C, H, D])
+    k_in = tl.load(k_ptr + (row * H + h)[:, None] * DK + dk[None, :], mask=~from_buf[:, None], other=0.0)
+    k_bf = tl.load(bk_ptr + (brow * H + h)[:, None] * DK + dk[None, :], mask=from_buf[:, None], other=0.0)
+    k = tl.where(from_buf[:, None], k_bf, k_in)
+    v_in = tl.load(v_ptr + (row * H + h)[:, None] * DV + dv[None, :], mask=~from_buf[:, None], other=0.0)
+    v_bf = tl.load(bv_ptr + (brow * H + h)[:, None] * DV + dv[None, :], mask=from_buf[:, None], other=0.0)
+    v = tl.where(from_buf[:, None], v_bf, v_in)
+    g = tl.where(from_buf, tl.load(bg_ptr + brow * H + h, mask=from_buf, other=0.0),
+                 tl.load(g_ptr + row * H + h, mask=~from_buf, other=0.0))
+    beta = tl.where(from_buf, tl.load(bb_ptr + brow * H + h, mask=from_buf, other=0.0),
+                    tl.load(b_ptr + row * H + h, mask=~from_buf, other=0.0))
+    G = tl.cumsum(g, axis=0)
+    kk = tl.dot(k, tl.trans(k), input_precision=PREC)
+    # AT[j, i] = A[i, j] = beta_i (k_i . k_j) exp(G_i - G_j) for i > j (A transposed, so that the
+    # forward substitution below needs no layout conversion: row i of A is column i of AT).
+    upper = t[None, :] > t[:, None]
+    diff = tl.where(upper, G[None, :] - G[:, None], 0.0)
+    AT = tl.where(upper, beta[None, :] * kk * tl.exp(diff), 0.0)
+    T = tl.where(t[:, None] == t[None, :], 1.0, 0.0)
+    for i in range(1, C):
+        a_i = tl.sum(tl.where(t[None, :] == i, AT, 0.0), axis=1)  # A[i, j] indexed by j (rows of T)
+        contrib = tl.sum(a_i[:, None] * T, axis=0)  # sum_j A[i, j] T[j, :]
+        T = tl.where(t[:, None] == i, T - contrib[None, :], T)
+    gl = tl.sum(tl.where(t == C - 1, G, 0.0), axis=0)
+    w = tl.dot(T, k * (beta * tl.exp(G))[:, None], input_precision=PREC)
+    u = tl.dot(T, v * beta[:, None], input_precision=PREC)
+    kd = k * tl.exp(gl - G)[:, None]
+    base = (j * H + h).to(tl.int64) * C
+    tl.store(w_ptr + (base + t)[:, None] * DK + dk[None, :], w)
+    tl.store(kd_ptr + (base + t)[:, None] * DK + dk[None, :], kd)
+    tl.store(u_ptr + (base + t)[:, None] * DV + dv[None, :], u)
+    tl.store(dc_ptr + j * H + h, tl.exp(gl))
+
+
+@triton.jit
+def _state_chain(entry_ptr, w_ptr, u_ptr, kd_ptr, dc_ptr, e_ptr, meta_ptr, H,
+                 C: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
+    s_id = tl.program_id(0)
+    h = tl.program_id(1)
+    vb = tl.program_id(2)
+    chunk0 = tl.load(meta_ptr + s_id * 4 + 0)
+    nch = tl.load(meta_ptr + s_id * 4 + 1)
+    src = tl.load(meta_ptr + s_id * 4 + 2)
+    e0 = tl.load(meta_ptr + s_id * 4 + 3)
+    t = tl.arange(0, C)
+    dk = tl.arange(0, DK)
+    cols = vb * BV + tl.arange(0, BV)
+    s_offs = dk[:, None] * DV + cols[None, :]
+    S = tl.load(entry_ptr + (tl.maximum(src, 0).to(tl.int64) * H + h) * DK * DV + s_offs, mask=src >= 0, other=0.0)
+    for c in range(0, nch):
+        jh = ((chunk0 + c) * H + h).to(tl.int64)
+        W = tl.load(w_ptr + (jh * C + t)[:, None] * DK + dk[None, :])
+        KD = tl.load(kd_ptr + (jh * C + t)[:, None] * DK + dk[None, :])
+        U = tl.load(u_ptr + (jh * C + t)[:, None] * DV + cols[None, :])
+        dc = tl.load(dc_ptr + jh)
+        Un = U - tl.dot(W, S, input_precision=PREC)
+        S = S * dc + tl.dot(tl.trans(KD), Un, input_precision=PREC)
+        tl.store(e_ptr + ((e0 + c).to(tl.int64) * H + h) * DK * DV + s_offs, S)
+
+
+@triton.jit
+def _scan(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, o_ptr, run_ptr, e_ptr, f_ptr, meta_ptr, H, scale,
+          DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr):
+    seg = tl.program_id(0)
+    h = tl.program_id(1)
+    vb = tl.program_id(2)
+    row0 = tl.load(meta_ptr + seg * 6 + 0)
+    L = tl.load(meta_ptr + seg * 6 + 1)
+    src_kind = tl.load(meta_ptr + seg * 6 + 2)
+    src_idx = tl.load(meta_ptr + seg * 6 + 3).to(tl.int64)
+    dst_kind = tl.load(meta_ptr + seg * 6 + 4)
+    dst_idx = tl.load(meta_ptr + seg * 6 + 5).to(tl.int64)
+    dk = tl.arange(0, DK)
+    cols = vb * BV + tl.arange(0, BV)
+    s_offs = dk[:, None] * DV + cols[None, :]
+    s_run = tl.load(run_ptr + (src_idx * H + h) * DK * DV + s_offs, mask=src_kind == 1, other=0.0)
+    s_ent = tl.load(e_ptr + (src_idx * H + h) * DK * DV + s_offs, mask=src_kind == 2, other=0.0)
+    S = tl.where(src_kind == 1, s_run, tl.where(src_kind == 2, s_ent, 0.0))
+    for i in range(0, L):
+        r = (row0 + i).to(tl.int64) * H + h
+        kt = tl.load(k_ptr + r * DK + dk)
+        qt = tl.load(q_ptr + r * DK + dk) * scale
+        vt = tl.load(v_ptr + r * DV + cols)
+        gt = tl.load(g_ptr + r)
+        bt = tl.load(b_ptr + r)
+        S = S * tl.exp(gt)
+        kv = tl.sum(kt[:, None] * S, axis=0)
+        u = (vt - kv) * bt
+        S = S + kt[:, None] * u[None, :]
+        o = tl.sum(qt[:, None] * S, axis=0)
+        tl.store(o_ptr + r * DV + cols, o)
+    if dst_kind == 1:
+        tl.store(run_ptr + (dst_idx * H + h) * DK * DV + s_offs, S)
+    if dst_kind == 2:
+        tl.store(f_ptr + (dst_idx * H + h) * DK * DV + s_offs, S)
+
+
+# ----------------------------------------------------------------------------------------- state
+class StatePool:
+    """Device storage of CPR decode states, one slot per (sequence, layer): fp32 ``entry`` and
+    ``running`` ``[P, H, Dk, Dv]`` and the open chunk's raw inputs ``bk [P, C, H, Dk]``,
+    ``bv [P, C, H, Dv]``, ``bg / bb [P, C, H]``. Kernels address slots directly (no gather copies)."""
+
+    def __init__(self, h: int, dk: int, dv: int, c: int, device):
+        self.h, self.dk, self.dv, self.c, self.device = h, dk, dv, c, device
+        self.cap = 0
+        self.free: list[int] = []
+        self._alloc_tensors(16)
+
+    def _alloc_tensors(self, cap: int):
+        f = dict(device=self.device, dtype=torch.float32)
+        new = {
+            "entry": torch.zeros(cap, self.h, self.dk, self.dv, **f),
+            "running": torch.zeros(cap, self.h, self.dk, self.dv, **f),
+            "bk": torch.zeros(cap, self.c, self.h, self.dk, **f),
+            "bv": torch.zeros(cap, self.c, self.h, self.dv, **f),
+            "bg": torch.zeros(cap, self.c, self.h, **f),
+            "bb": torch.zeros(cap, self.c, self.h, **f),
+        }
+        for name, t in new.items():
+            if self.cap:
+                t[: self.cap] = getattr(self, name)
+            setattr(self, name, t)
+        self.free += list(range(cap - 1, self.cap - 1, -1))
+        self.cap = cap
+
+    def alloc(self, n: int) -> list[int]:
+        while len(self.free) < n:
+            self._alloc_tensors(self.cap * 2)
+        slots = [self.free.pop() for _ in range(n)]
+        if slots:
+            idx = torch.tensor(slots, device=self.device)
+            self.entry.index_fill_(0, idx, 0.0)
+            self.running.index_fill_(0, idx, 0.0)
+        return slots
+
+    def release(self, slot: int):
+        self.free.append(slot)
+
+
+_POOLS: dict = {}
+
+
+def get_pool(h, dk, dv, c, device) -> StatePool:
+    key = (h, dk, dv, c, str(device))
+    if key not in _POOLS:
+        _POOLS[key] = StatePool(h, dk, dv, c, device)
+    return _POOLS[key]
+
+
+class TritonCPRState:
+    """A sequence's CPR state of one GDN layer: a pool slot and the open chunk's token count. The
+    pool records the chunk size C that built the state (``pool.c``)."""
+
+    def __init__(self, pool: StatePool, slot: int):
+        self.pool, self.slot, self.n_open = pool, slot, 0
+        weakref.finalize(self, pool.release, slot)
+
+    @property
+    def entry(self):
+        return self.pool.entry[self.slot]
+
+    @property
+    def running(self):
+        return self.pool.running[self.slot]
+
+
+# ---------------------------------------------------------------------------------------- driver
+def cpr_gdn(q, k, v, g, beta, lengths: list[int], states: list, chunk_size: int, cfg, keep_state: bool = True):
+    """CPR gated delta rule over a batch of sequence pieces (trainer sequences, prefill chunks, decode tokens).
+
+    Args:
+        q, k: ``[N, H, Dk]`` fp32, l2-normalised (q is scaled by ``Dk**-0.5`` in the scan). v: ``[N, H, Dv]`` fp32.
+        g: ``[N, H]`` log decay. beta: ``[N, H]``. lengths: new tokens per piece (sum N).
+        states: per piece a :class:`TritonCPRState` or None (fresh). chunk_size: C.
+        cfg: ``isoexec.config.TritonSection`` (tiles, warps, dot precision).
+        keep_state: False for the trainer (no states kept or returned).
+
+    Returns:
+        (o ``[N, H, Dv]`` fp32, per piece its state (updated in place) or None).
+
+    Raises:
+        ValueError: a state built with another chunk size than ``chunk_size``.
+    """
+    bad = [s.pool.c for s in states if s is not None and s.pool.c != chunk_size]
+    if bad:
+        raise ValueError(f"a GDN state built with chunk size C={bad[0]} cannot continue under C={chunk_size}")
+    N, H, DK = k.shape
+    DV = v.shape[-1]
+    C = chunk_size
+    dev = k.device
+    q, k, v = (x.float().contiguous() for x in (q, k, v))
+    g, beta = g.float().contiguous(), beta.float().contiguous()
+    pool = get_pool(H, DK, DV, C, dev) if keep_state else None
+    if keep_state and N == len(lengths) and all(s is not None for s in states):
+        return _decode_step(q, k, v, g, beta, states, pool, C, cfg)
+    if keep_state:
+        fresh = [i for i, s in enumerate(states) if s is None]
+        slots = pool.alloc(len(fresh))
+        states = list(states)
+        for i, sl in zip(fresh, slots):
+            states[i] = TritonCPRState(pool, sl)
+        had_state = [s is not None and i not in set(fresh) for i, s in enumerate(states)]
+    else:
+        had_state = [False] * len(lengths)
+    prep, chain, segs = [], [], []
+    n_entries = 0
+    n_f = 0
+    post_entry, post_resync, post_f, buf_dst = [], [], [], []
+    row0 = 0
+    for b, n in enumerate(lengths):
+        st = states[b] if keep_state else None
+        slot = st.slot if st is not None else 0
+        n_open = st.n_open if st is not None else 0
+        m = n_open + n
+        full = m // C
+        e0 = n_entries
+        if full:
+            chain += [len(prep) // 3, full, slot if had_state[b] else -1, e0]
+            for c in range(full):
+                prep += [row0 + c * C - n_open, n_open if c == 0 else 0, slot]
+            n_entries += full
+        n_seg_chunks = -(-m // C)
+        touched = [c for c in range(n_seg_chunks) if max(c * C, n_open) < min((c + 1) * C, m)]
+        for c in touched:
+            a, bnd = max(c * C, n_open), min((c + 1) * C, m)
+            if c == 0:
+                src_kind, src_idx = (1, slot) if had_state[b] else (0, 0)
+            else:
+                src_kind, src_idx = 2, e0 + c - 1
+            dst_kind, dst_idx = 0, 0
+            if keep_state and c == touched[-1] and m % C:
+                if len(touched) == 1:
+                    dst_kind, dst_idx = 1, slot
+                else:
+                    dst_kind, dst_idx = 2, n_f
+                    post_f.append(slot)
+                    n_f += 1
+            segs += [row0 + a - n_open, bnd - a, src_kind, src_idx, dst_kind, dst_idx]
+        if keep_state:
+            if full:
+                post_entry.append((slot, e0 + full - 1))
+            if m % C == 0:
+                post_resync.append(slot)
+            p0 = n_open if full == 0 else 0
+            for p in range(p0, m - full * C):
+                buf_dst.append((slot, p, row0 + full * C + p - n_open))
+            st.n_open = m % C
+        row0 += n
+    # ---- one host-to-device copy of all metadata
+    n_prep, n_chain, n_seg = len(prep) // 3, len(chain) // 4, len(segs) // 6
+    meta = torch.tensor(prep + chain + segs, dtype=torch.int32).to(dev, non_blocking=True)
+    m_prep, m_chain, m_seg = meta[: 3 * n_prep], meta[3 * n_prep : 3 * n_prep + 4 * n_chain], meta[3 * n_prep + 4 * n_chain :]
+    f32 = dict(device=dev, dtype=torch.float32)
+    dummy = torch.empty(1, **f32)
+    bufs = (pool.bk, pool.bv, pool.bg, pool.bb) if pool is not None else (dummy,) * 4
+    E = torch.empty((max(n_entries, 1), H, DK, DV), **f32)
+    if n_prep:
+        W = torch.empty((n_prep, H, C, DK), **f32)
+        KD = torch.empty((n_prep, H, C, DK), **f32)
+        U = torch.empty((n_prep, H, C, DV), **f32)
+        dC = torch.empty((n_prep, H), **f32)
+        _chunk_prep[(n_prep, H)](k, v, g, beta, *bufs, m_prep, W, U, KD, dC, H,
+                                 C=C, DK=DK, DV=DV, PREC=cfg.gdn_dot_precision, num_warps=cfg.gdn_prep_warps)
+        entry = pool.entry if pool is not None else dummy
+        _state_chain[(n_chain, H, DV // cfg.gdn_chain_bv)](entry, W, U, KD, dC, E, m_chain, H, C=C, DK=DK, DV=DV,
+                                                           BV=cfg.gdn_chain_bv, PREC=cfg.gdn_dot_precision,
+                                                           num_warps=cfg.gdn_chain_warps)
+    o = torch.empty((N, H, DV), **f32)
+    F = torch.empty((max(n_f, 1), H, DK, DV), **f32)
+    if n_seg:
+        run = pool.running if pool is not None else dummy
+        _scan[(n_seg, H, DV // cfg.gdn_scan_bv)](q, k, v, g, beta, o, run, E, F, m_seg, H, DK ** -0.5,
+                                                 DK=DK, DV=DV, BV=cfg.gdn_scan_bv, num_warps=cfg.gdn_scan_warps)
+    if not keep_state:
+        return o, [None] * len(lengths)
+    # ---- state bookkeeping (batched index ops)
+    if post_entry:
+        sl = torch.tensor([s for s, _ in post_entry], device=dev)
+        ei = torch.tensor([e for _, e in post_entry], device=dev)
+        pool.entry.index_copy_(0, sl, E.index_select(0, ei))
+    if post_f:
+        pool.running.index_copy_(0, torch.tensor(post_f, device=dev), F[: len(post_f)])
+    if post_resync:
+        sl = torch.tensor(post_resync, device=dev)
+        pool.running.index_copy_(0, sl, pool.entry.index_select(0, sl))
+    if buf_dst:
+        bd = torch.tensor(buf_dst, device=dev).t()
+        s_i, p_i, r_i = bd[0], bd[1], bd[2]
+        pool.bk[s_i, p_i] = k[r_i]
+        pool.bv[s_i, p_i] = v[r_i]
+        pool.bg[s_i, p_i] = g[r_i]
+        pool.bb[s_i, p_i] = beta[r_i]
+    return o, states
+
+
+def _decode_step(q, k, v, g, beta, states, pool: StatePool, C: int, cfg):
+    """One token for each of B sequences with states: the same kernels and metadata semantics as the
+    general path of :func:`cpr_gdn` (one-token segments from the running state, updated in place;
+    sequences whose chunk completes run the chunk prep + state chain over their buffer, then
+    resync), with the metadata built without per-token Python work."""
+    N, H, DK = k.shape
+    DV = v.shape[-1]
+    dev = k.device
+    B = len(states)
+    slots = [s.slot for s in states]
+    n_open = [s.n_open for s in states]
+    done = [i for i in range(B) if n_open[i] + 1 == C]
+    seg = []
+    for i in range(B):
+        last = n_open[i] + 1 == C
+        seg += [i, 1, 1, slots[i], 0 if last else 1, slots[i]]
+    prep = []
+    for j, i in enumerate(done):
+        prep += [i - (C - 1), C - 1, slots[i]]
+    chain = []
+    for j, i in enumerate(done):
+        chain += [j, 1, slots[i], j]
+    meta = torch.tensor(seg + prep + chain + slots + n_open, dtype=torch.int32).to(dev, non_blocking=True)
+    m_seg = meta[: 6 * B]
+    m_prep = meta[6 * B : 6 * B + 3 * len(done)]
+    m_chain = meta[6 * B + 3 * len(done) : 6 * B + 7 * len(done)]
+    sl_t = meta[6 * B + 7 * len(done) : 7 * B + 7 * len(done)].long()
+    no_t = meta[7 * B + 7 * len(done) :].long()
+    f32 = dict(device=dev, dtype=torch.float32)
+    o = torch.empty((N, H, DV), **f32)
+    dummy = torch.empty(1, **f32)
+    _scan[(B, H, DV // cfg.gdn_scan_bv)](q, k, v, g, beta, o, pool.running, dummy, dummy, m_seg, H, DK ** -0.5,
+                                         DK=DK, DV=DV, BV=cfg.gdn_scan_bv, num_warps=cfg.gdn_scan_warps)
+    if done:
+        nd = len(done)
+        W = torch.empty((nd, H, C, DK), **f32)
+        KD = torch.empty((nd, H, C, DK), **f32)
+        U = torch.empty((nd, H, C, DV), **f32)
+        dC = torch.empty((nd, H), **f32)
+        E = torch.empty((nd, H, DK, DV), **f32)
+        _chunk_prep[(nd, H)](k, v, g, beta, pool.bk, pool.bv, pool.bg, pool.bb, m_prep, W, U, KD, dC, H,
+                             C=C, DK=DK, DV=DV, PREC=cfg.gdn_dot_precision, num_warps=cfg.gdn_prep_warps)
+        _state_chain[(nd, H, DV // cfg.gdn_chain_bv)](pool.entry, W, U, KD, dC, E, m_chain, H, C=C, DK=DK, DV=DV,
+                                                      BV=cfg.gdn_chain_bv, PREC=cfg.gdn_dot_precision,
+                                                      num_warps=cfg.gdn_chain_warps)
+        sd = torch.tensor([slots[i] for i in done], device=dev)
+        pool.entry.index_copy_(0, sd, E)
+        pool.running.index_copy_(0, sd, E)
+    # append the token to the open-chunk buffer (a completed chunk's buffer is simply overwritten later)
+    pool.bk[sl_t, no_t] = k
+    pool.bv[sl_t, no_t] = v
+    pool.bg[sl_t, no_t] = g
+    pool.bb[sl_t, no_t] = beta
+    for s, n in zip(states, n_open):
+        s.n_open = (n + 1) % C
+    return o, states

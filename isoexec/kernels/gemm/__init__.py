@@ -1,0 +1,1 @@
+"""GEMM (``*.proj``, ``lm_head``): batch-invariant CPU tiles, Triton tiles, native ``F.linear``."""

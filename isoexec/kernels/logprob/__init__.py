@@ -1,0 +1,1 @@
+"""Full-vocabulary logprob (``logprob``): blocked CPU, Triton and native ``log_softmax``."""

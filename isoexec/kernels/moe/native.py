@@ -1,0 +1,50 @@
+"""Native mixture-of-experts regions: transformers' ``Qwen3NextSparseMoeBlock`` code path with stock
+torch ops (``torch.topk``, bf16 expert GEMMs, ``index_add`` in expert order in the boundary dtype).
+The negative control."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from isoexec.kernels.gemm.native import native_linear
+
+
+def native_router(x, router_w, top_k: int, norm_topk_prob: bool):
+    """Region ``moe.router``: softmax in fp32, ``torch.topk``, optional renormalisation; weights in
+    the logits dtype, ids ``[N, k]``."""
+    logits = native_linear(x, router_w)
+    probs = F.softmax(logits, dtype=torch.float, dim=-1)
+    top_val, top_idx = torch.topk(probs, top_k, dim=-1)
+    if norm_topk_prob:
+        top_val = top_val / top_val.sum(dim=-1, keepdim=True)
+    return top_val.to(logits.dtype), top_idx
+
+
+def _swiglu(x, wg, wu, wd):
+    return native_linear(F.silu(native_linear(x, wg)) * native_linear(x, wu), wd)
+
+
+def native_experts(x, ids, experts) -> torch.Tensor:
+    """Region ``moe.experts``: ``[N, k, H]`` expert outputs in ``x.dtype`` (stock GEMMs per expert)."""
+    y = x.new_zeros((x.shape[0], ids.shape[1], x.shape[1]))
+    for eid, (wg, wu, wd) in enumerate(experts):
+        tok, rank = torch.where(ids == eid)
+        if tok.numel():
+            y = y.index_put((tok, rank), _swiglu(x[tok], wg, wu, wd))
+    return y
+
+
+def native_shared_expert(x, shared, gate_w) -> torch.Tensor:
+    """Region ``mlp.shared_expert``: ``sigmoid(x @ gate_w.T) * swiglu(x)`` in ``x.dtype``."""
+    return torch.sigmoid(native_linear(x, gate_w)) * _swiglu(x, *shared)
+
+
+def native_combine(y, weights, ids, shared, dtype) -> torch.Tensor:
+    """Region ``moe.combine``: ``index_add`` of the weighted expert outputs in ascending expert order
+    in ``dtype`` (as transformers), then the shared expert."""
+    out = torch.zeros((y.shape[0], y.shape[2]), dtype=dtype, device=y.device)
+    for eid in torch.unique(ids).tolist():
+        tok, rank = torch.where(ids == eid)
+        out = out.index_add(0, tok, (y[tok, rank] * weights[tok, rank, None]).to(dtype))
+    return out + shared

@@ -1,0 +1,85 @@
+"""Mixture-of-experts regions on CUDA (``moe.router``, ``moe.experts``, ``mlp.shared_expert``,
+``moe.combine``), the semantics of :mod:`isoexec.kernels.moe.cpu` with GPU bits of their own.
+
+Triton: router, expert and shared-expert GEMMs (:mod:`isoexec.kernels.gemm.triton`; the experts as
+one grouped launch over token rows sorted by expert). torch elementwise (position-invariant on
+CUDA): the router softmax of :func:`~isoexec.kernels.moe.routing.iso_route`, SwiGLU, the
+routing-order fp32 combine and the sigmoid gate of the shared expert.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from isoexec.kernels.autograd import with_ref_grad
+from isoexec.kernels.gemm.triton import grouped_linear, linear_autograd
+from isoexec.kernels.moe.routing import iso_route
+from isoexec.kernels.primitives import sigmoid, silu
+
+_STACK_CACHE: dict = {}
+
+
+def _stacked(experts, which: int) -> torch.Tensor:
+    """``[E, N, K]`` stack of expert weights, cached while the weights are unchanged (same storage and version)."""
+    ws = [e[which] for e in experts]
+    key = (which, tuple((w.data_ptr(), w._version) for w in ws))
+    hit = _STACK_CACHE.get(which)
+    if hit is None or hit[0] != key:
+        hit = (key, torch.stack([w.detach() for w in ws]))
+        _STACK_CACHE[which] = hit
+    return hit[1]
+
+
+def router(x, router_w, top_k: int, norm_topk_prob: bool, cfg):
+    """Region ``moe.router``: Triton GEMM (logits rounded to ``x.dtype``), then :func:`iso_route`.
+    Returns (weights ``[N, k]`` in ``x.dtype``, ids ``[N, k]`` int64)."""
+    top_val, top_idx = iso_route(linear_autograd(x, router_w, cfg).float(), top_k, norm_topk_prob)
+    return top_val.to(x.dtype), top_idx
+
+
+def experts(x, ids, expert_weights, cfg) -> torch.Tensor:
+    """Region ``moe.experts``: grouped SwiGLU over (token, rank) rows sorted by expert (stable), one
+    launch per GEMM. Returns ``[N, k, H]`` fp32; its gradient is :func:`experts_reference`'s."""
+    flat_w = [w for e in expert_weights for w in e]
+    ne = len(expert_weights)
+
+    def unflat(f):
+        return [tuple(f[3 * i : 3 * i + 3]) for i in range(ne)]
+
+    return with_ref_grad(lambda xx, *f: _experts(xx, ids, unflat(f), cfg),
+                         lambda xx, *f: experts_reference(xx, ids, unflat(f)), x, *flat_w)
+
+
+def _experts(x, ids, expert_weights, cfg) -> torch.Tensor:
+    n, hdim = x.shape
+    top_k = ids.shape[1]
+    flat = ids.reshape(-1)  # (token, rank) pairs in token-major order
+    order = torch.sort(flat, stable=True).indices
+    counts = torch.bincount(flat, minlength=len(expert_weights)).tolist()
+    xs = x[order // top_k]
+    wg, wu, wd = (_stacked(expert_weights, i) for i in range(3))
+    h = (silu(grouped_linear(xs, wg, counts, cfg).float()) * grouped_linear(xs, wu, counts, cfg).float()).to(x.dtype)
+    y = torch.empty((n * top_k, hdim), device=x.device, dtype=torch.float32)
+    y[order] = grouped_linear(h, wd, counts, cfg).float()
+    return y.view(n, top_k, hdim)
+
+
+def shared_expert(x, shared, gate_w, cfg) -> torch.Tensor:
+    """Region ``mlp.shared_expert``: ``sigmoid(x @ gate_w.T) * swiglu(x)`` in fp32, ``[N, H]``."""
+    wg, wu, wd = shared
+    h = (silu(linear_autograd(x, wg, cfg).float()) * linear_autograd(x, wu, cfg).float()).to(x.dtype)
+    return sigmoid(linear_autograd(x, gate_w, cfg).float()) * linear_autograd(h, wd, cfg).float()
+
+
+def experts_reference(x, ids, expert_weights) -> torch.Tensor:
+    """Differentiable torch reference of :func:`experts` (cuBLAS GEMMs; for the backward only)."""
+    import torch.nn.functional as F
+
+    lin = lambda a, w: F.linear(a, w.to(a.dtype))  # noqa: E731
+    y = torch.zeros((x.shape[0], ids.shape[1], x.shape[1]), device=x.device, dtype=torch.float32)
+    for eid, (wg, wu, wd) in enumerate(expert_weights):
+        tok, rank = torch.where(ids == eid)
+        if tok.numel():
+            h = (F.silu(lin(x[tok], wg).float()) * lin(x[tok], wu).float()).to(x.dtype)
+            y = y.index_put((tok, rank), lin(h, wd).float())
+    return y

@@ -1,0 +1,222 @@
+"""Layers shared by the Qwen3-Next family (transformers ``modeling_qwen3_next.py``; vLLM
+``model_executor/models/qwen3_next.py``): gated full attention, Gated DeltaNet, the sparse MoE block,
+the decoder layer and the backbone.
+
+Parameter names and shapes are the Hugging Face checkpoint's. Every region of DESIGN §2 runs
+through the :class:`~isoexec.kernels.KernelSet` by its contract name (``ks["gdn.core"](...)``).
+Row-wise regions (GEMMs, norms, MoE) see all N rows of a forward at once; sequence regions
+(attention, conv1d, GDN) see each sequence piece with its cache (:class:`Batch`).
+
+A family member chooses its Gated DeltaNet projections (:meth:`GatedDeltaNet.project`): Qwen3-Next
+fuses them, Qwen3.5 keeps four.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from isoexec.kernels import KernelSet
+from isoexec.kernels.attention.rope import rope_cos_sin
+
+
+class W(nn.Module):
+    """A named weight holder (``<name>.weight``), so parameter names match the HF checkpoint."""
+
+    def __init__(self, *shape: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(*shape))
+
+
+class Batch:
+    """Row bookkeeping of one forward: which of the N rows belong to which sequence piece.
+
+    Args:
+        seq_rows: per piece, its row indices ``[n_b]`` (int64). starts: per piece, the absolute
+            position of its first row. caches: per piece a ``SequenceCache`` or None (trainer).
+        grad: build the autograd graph (``trainer_fwd``). n_rows: N. inv_freq: RoPE frequencies
+            (fp32, on the model's device). dtype: the boundary dtype (RoPE tables).
+    """
+
+    def __init__(self, seq_rows, starts, caches, grad, n_rows, inv_freq, dtype):
+        dev = inv_freq.device
+        self.seq_rows = [r.to(dev) for r in seq_rows]
+        self.starts, self.caches, self.grad = starts, caches, grad
+        self.lengths = [int(r.numel()) for r in seq_rows]
+        self.all_rows = torch.cat(self.seq_rows) if seq_rows else torch.zeros(0, dtype=torch.long, device=dev)
+        positions = torch.zeros(n_rows, dtype=torch.long)
+        for rows, s in zip(seq_rows, starts):
+            positions[rows] = torch.arange(s, s + rows.numel())
+        self.positions = positions.to(dev)
+        self.rope = rope_cos_sin(self.positions, inv_freq, dtype)
+
+    def scatter(self, packed: torch.Tensor, n: int) -> torch.Tensor:
+        """Place per-sequence outputs (concatenated in sequence order) back at their rows; pad rows get 0."""
+        out = packed.new_zeros((n, *packed.shape[1:]))
+        return out.index_copy(0, self.all_rows, packed)
+
+
+class Expert(nn.Module):
+    """A SwiGLU expert's three weights (``gate_proj``, ``up_proj`` ``[I, H]``; ``down_proj`` ``[H, I]``)."""
+
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj = W(inter, hidden), W(inter, hidden), W(hidden, inter)
+
+    def weights(self):
+        return self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight
+
+
+class SparseMoE(nn.Module):
+    """``moe.router`` -> ``moe.experts`` -> ``mlp.shared_expert`` -> ``moe.combine``."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        h = cfg.hidden_size
+        self.gate = W(cfg.num_experts, h)
+        self.experts = nn.ModuleList([Expert(h, cfg.moe_intermediate_size) for _ in range(cfg.num_experts)])
+        self.shared_expert = Expert(h, cfg.shared_expert_intermediate_size)
+        self.shared_expert_gate = W(1, h)
+        # Qwen3.5 always renormalises the top-k weights (its config has no norm_topk_prob field)
+        self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, getattr(cfg, "norm_topk_prob", True)
+
+    def forward(self, ks: KernelSet, x):
+        weights, ids = ks["moe.router"](x, self.gate.weight, self.top_k, self.norm_topk_prob)
+        y = ks["moe.experts"](x, ids, [e.weights() for e in self.experts])
+        shared = ks["mlp.shared_expert"](x, self.shared_expert.weights(), self.shared_expert_gate.weight)
+        return ks["moe.combine"](y, weights, ids, shared, x.dtype)
+
+
+class Attention(nn.Module):
+    """Gated full attention: ``q|gate = qkv_proj``, q/k RMSNorm, partial RoPE, causal GQA attention
+    over the sequence's cache, ``o * sigmoid(gate)``, ``out_proj``."""
+
+    def __init__(self, cfg, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.hq, self.hkv = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        h = cfg.hidden_size
+        self.q_proj, self.k_proj = W(self.hq * self.d * 2, h), W(self.hkv * self.d, h)
+        self.v_proj, self.o_proj = W(self.hkv * self.d, h), W(h, self.hq * self.d)
+        self.q_norm, self.k_norm = W(self.d), W(self.d)
+        self.eps = cfg.rms_norm_eps
+
+    def forward(self, ks: KernelSet, x, batch: Batch):
+        n, proj = x.shape[0], ks["attn.qkv_proj"]
+        q, gate = proj(x, self.q_proj.weight).view(n, self.hq, 2 * self.d).chunk(2, dim=-1)
+        gate = gate.reshape(n, self.hq * self.d)
+        q = ks["norm.rms"](q, self.q_norm.weight, self.eps)
+        k = ks["norm.rms"](proj(x, self.k_proj.weight).view(n, self.hkv, self.d), self.k_norm.weight, self.eps)
+        v = proj(x, self.v_proj.weight).view(n, self.hkv, self.d)
+        q, k = ks["attn.rope"](q, *batch.rope), ks["attn.rope"](k, *batch.rope)
+        kv = []
+        for rows, cache in zip(batch.seq_rows, batch.caches):
+            kb, vb = k[rows], v[rows]
+            if cache is not None and self.layer_idx in cache.kv:
+                pk, pv = cache.kv[self.layer_idx]
+                kb, vb = torch.cat([pk, kb]), torch.cat([pv, vb])
+            if cache is not None:
+                cache.kv[self.layer_idx] = (kb.detach(), vb.detach())
+            kv.append((kb, vb))
+        o = ks["attn.core"](q[batch.all_rows], kv, batch.starts, batch.lengths)
+        o = batch.scatter(o, n)
+        o = ks["attn.gate"](o.reshape(n, self.hq * self.d), gate)
+        return ks["attn.out_proj"](o, self.o_proj.weight)
+
+
+class GatedDeltaNet(nn.Module):
+    """Gated DeltaNet linear attention: projections (family-specific, :meth:`project`), causal conv1d
+    over ``q|k|v``, gating, l2-normalised q/k, the gated delta rule (``gdn.core``, with per-sequence
+    state), gated RMSNorm, ``out_proj``."""
+
+    def __init__(self, cfg, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.hk, self.hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        self.kc = cfg.linear_conv_kernel_dim
+        self.key_dim, self.value_dim = self.hk * self.dk, self.hv * self.dv
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.make_projections(cfg.hidden_size)  # registered first: the checkpoint's parameter order
+        self.conv1d = W(self.conv_dim, 1, self.kc)
+        self.dt_bias = nn.Parameter(torch.ones(self.hv))
+        self.A_log = nn.Parameter(torch.zeros(self.hv))
+        self.norm = W(self.dv)
+        self.out_proj = W(cfg.hidden_size, self.value_dim)
+        self.eps = cfg.rms_norm_eps
+
+    def make_projections(self, hidden: int) -> None:
+        """Register the input projection weights; family-specific."""
+        raise NotImplementedError
+
+    def project(self, ks: KernelSet, x):
+        """(mixed q|k|v ``[N, conv_dim]``, z ``[N, Hv, Dv]``, b ``[N, Hv]``, a ``[N, Hv]``); family-specific."""
+        raise NotImplementedError
+
+    def forward(self, ks: KernelSet, x, batch: Batch):
+        n, dtype = x.shape[0], x.dtype
+        mixed, z, b, a = self.project(ks, x)
+        w = self.conv1d.weight.squeeze(1)
+        conv_out = []
+        for rows, cache in zip(batch.seq_rows, batch.caches):
+            prefix = None if cache is None else cache.conv.get(self.layer_idx)
+            if prefix is None:
+                prefix = mixed.new_zeros(self.kc - 1, self.conv_dim)
+            y, new_prefix = ks["gdn.conv1d"](mixed[rows], w, prefix)
+            if cache is not None:
+                cache.conv[self.layer_idx] = new_prefix.detach()
+            conv_out.append(y)
+        mixed = batch.scatter(torch.cat(conv_out), n)
+        q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        g, beta = ks["gdn.gating"](a, b, self.A_log, self.dt_bias)
+        r = self.hv // self.hk
+        q = ks["gdn.l2norm"](q.reshape(n, self.hk, self.dk)).repeat_interleave(r, dim=1)
+        k = ks["gdn.l2norm"](k.reshape(n, self.hk, self.dk)).repeat_interleave(r, dim=1)
+        v = v.reshape(n, self.hv, self.dv).float()
+        idx = batch.all_rows
+        states = [None if c is None else c.gdn.get(self.layer_idx) for c in batch.caches]
+        o, new_states = ks["gdn.core"](q[idx], k[idx], v[idx], g[idx], beta[idx], batch.lengths, states, batch.grad)
+        for cache, st in zip(batch.caches, new_states):
+            if cache is not None:
+                cache.gdn[self.layer_idx] = st
+        o = batch.scatter(o, n).to(dtype)
+        o = ks["gdn.norm"](o.reshape(n * self.hv, self.dv), z.reshape(n * self.hv, self.dv), self.norm.weight, self.eps)
+        return ks["gdn.out_proj"](o.reshape(n, self.value_dim), self.out_proj.weight)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm residual layer: ``x + mixer(norm(x))``, then ``x + moe(norm(x))``."""
+
+    def __init__(self, cfg, layer_idx: int, gdn_class: type[GatedDeltaNet]):
+        super().__init__()
+        self.layer_type = cfg.layer_types[layer_idx]
+        if self.layer_type == "linear_attention":
+            self.linear_attn = gdn_class(cfg, layer_idx)
+        elif self.layer_type == "full_attention":
+            self.self_attn = Attention(cfg, layer_idx)
+        else:
+            raise ValueError(f"layer_types[{layer_idx}]={self.layer_type!r}; allowed: linear_attention, full_attention")
+        if layer_idx in (getattr(cfg, "mlp_only_layers", None) or []) or getattr(cfg, "decoder_sparse_step", 1) != 1:
+            raise ValueError("dense MLP layers (mlp_only_layers, decoder_sparse_step != 1) are not supported: "
+                             "every layer must be a sparse MoE layer")
+        self.mlp = SparseMoE(cfg)
+        self.input_layernorm, self.post_attention_layernorm = W(cfg.hidden_size), W(cfg.hidden_size)
+        self.eps = cfg.rms_norm_eps
+
+    def forward(self, ks: KernelSet, x, batch: Batch):
+        h = ks["norm.rms"](x, self.input_layernorm.weight, self.eps)
+        mixer = self.linear_attn if self.layer_type == "linear_attention" else self.self_attn
+        x = x + mixer(ks, h, batch)
+        h = ks["norm.rms"](x, self.post_attention_layernorm.weight, self.eps)
+        return x + self.mlp(ks, h)
+
+
+class Backbone(nn.Module):
+    """``model.embed_tokens``, ``model.layers``, ``model.norm`` (the checkpoint's ``model.*``)."""
+
+    def __init__(self, cfg, gdn_class: type[GatedDeltaNet]):
+        super().__init__()
+        self.embed_tokens = W(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList([DecoderLayer(cfg, i, gdn_class) for i in range(cfg.num_hidden_layers)])
+        self.norm = W(cfg.hidden_size)

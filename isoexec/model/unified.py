@@ -1,0 +1,253 @@
+"""The unified model (DESIGN §3): one definition for trainer and engine, the four cases of one forward.
+
+A batch is a list of sequence pieces, each with its absolute start position and (engine cases) a
+:class:`~isoexec.model.cache.SequenceCache`. ``trainer_logprobs`` (``trainer_fwd`` / ``trainer_score``)
+runs packed or padded sequences from position 0; ``engine_step`` runs prefill chunks and decode
+tokens of many sequences from their caches. Every region runs through the kernel set, so the same
+token gets the same bits in every case when the set is ``isoexec``.
+
+The family members (:mod:`isoexec.model.qwen3_next`, :mod:`isoexec.model.qwen3_5`) differ only in
+their Gated DeltaNet projections; :meth:`UnifiedModel.from_config` picks one.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from isoexec.kernels import KernelSet
+from isoexec.model.cache import SequenceCache
+from isoexec.model.layers import Attention, Backbone, Batch, GatedDeltaNet, W
+
+
+class UnifiedModel(nn.Module):
+    """The unified model: one definition for trainer and engine. A family member (Qwen3-Next,
+    Qwen3.5) sets :attr:`gdn_class`; build with :meth:`from_config` or :meth:`from_pretrained`, which
+    pick the member from the config's ``model_type``.
+
+    Args:
+        config: a transformers ``Qwen3NextConfig`` or ``Qwen3_5MoeTextConfig`` (text-only positions make
+            Qwen3.5's M-RoPE plain RoPE).
+        kernels: the :class:`~isoexec.kernels.KernelSet` every region runs through.
+        dtype: parameter and boundary dtype (bf16 or fp32).
+    """
+
+    gdn_class: type[GatedDeltaNet] = GatedDeltaNet
+    model_types: tuple[str, ...] = ()
+
+    def __init__(self, config, kernels: KernelSet, dtype: torch.dtype = torch.bfloat16):
+        super().__init__()
+        self.config, self.kernels = config, kernels
+        self.model = Backbone(config, self.gdn_class)
+        self.lm_head = W(config.vocab_size, config.hidden_size)
+        if getattr(config, "tie_word_embeddings", False):
+            self.lm_head.weight = self.model.embed_tokens.weight
+        att = next((m for m in self.modules() if isinstance(m, Attention)), None)
+        head_dim = att.d if att else getattr(config, "head_dim", 64)
+        rp = getattr(config, "rope_parameters", None) or {}
+        theta = rp.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+        factor = rp.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
+        rot = int(head_dim * factor)
+        # fp32 RoPE frequencies, a plain attribute so that ``.to(dtype)`` never rounds them.
+        self.inv_freq = 1.0 / (theta ** (torch.arange(0, rot, 2, dtype=torch.float) / rot))
+        self.to(dtype)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    # ------------------------------------------------------------------------------------- forward
+    def _hidden(self, ids: torch.Tensor, batch: Batch) -> torch.Tensor:
+        ks = self.kernels
+        x = ks["embed"](self.model.embed_tokens.weight, ids)
+        for layer in self.model.layers:
+            x = layer(ks, x, batch)
+        return ks["norm.rms"](x, self.model.norm.weight, self.config.rms_norm_eps)
+
+    def _logprobs(self, h: torch.Tensor) -> torch.Tensor:
+        return self.kernels["logprob"](self.kernels["lm_head"](h, self.lm_head.weight))
+
+    def _run(self, ids, seq_rows, starts, caches, grad: bool, rows_out=None):
+        dev = self.model.embed_tokens.weight.device
+        batch = Batch(seq_rows, starts, caches, grad, ids.numel(), self.inv_freq.to(dev), self.dtype)
+        ids = ids.to(dev)
+        with torch.set_grad_enabled(grad):
+            h = self._hidden(ids, batch)
+            if rows_out is not None:
+                h = h[rows_out.to(h.device)]
+            return self._logprobs(h)
+
+    def trainer_logprobs(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, grad: bool = False) -> torch.Tensor:
+        """Full-vocabulary logprobs of a packed (varlen) batch: ``trainer_fwd`` (grad) / ``trainer_score``.
+
+        Args:
+            input_ids: ``[T]`` int64, sequences concatenated.
+            cu_seqlens: ``[B+1]`` int64 offsets (0, len_0, len_0+len_1, ...).
+            grad: True builds the autograd graph (``trainer_fwd``).
+
+        Returns:
+            ``[T, V]`` fp32; row t is the distribution of the token following ``input_ids[t]``,
+            with the contract's temperature applied.
+
+        Raises:
+            ValueError: cu_seqlens not starting at 0, not increasing, or not ending at T.
+        """
+        cu = [int(c) for c in cu_seqlens]
+        if not cu or cu[0] != 0 or cu[-1] != input_ids.numel() or any(b <= a for a, b in zip(cu, cu[1:])):
+            raise ValueError(f"cu_seqlens must rise strictly from 0 to len(input_ids)={input_ids.numel()}, got {cu}")
+        rows = [torch.arange(a, b) for a, b in zip(cu, cu[1:])]
+        return self._run(input_ids, rows, [0] * len(rows), [None] * len(rows), grad)
+
+    def trainer_logprobs_padded(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, grad: bool = False) -> torch.Tensor:
+        """Same as :meth:`trainer_logprobs` for a right-padded ``[B, L]`` batch.
+
+        Row-wise regions run over all ``B*L`` rows (pads included); attention, conv and GDN see each
+        sequence's real tokens. Returns ``[B, L, V]`` fp32 (pad rows are meaningless).
+
+        Raises:
+            ValueError: the mask is not right-padded (ones then zeros) in some row.
+        """
+        B, L = input_ids.shape
+        lens = attention_mask.long().sum(-1)
+        expect = torch.arange(L)[None, :] < lens[:, None]
+        if not torch.equal(attention_mask.bool(), expect):
+            raise ValueError("attention_mask must be right-padded: ones then zeros in every row")
+        rows = [b * L + torch.arange(int(n)) for b, n in enumerate(lens)]
+        out = self._run(input_ids.reshape(-1), rows, [0] * B, [None] * B, grad)
+        return out.view(B, L, -1)
+
+    def new_cache(self) -> SequenceCache:
+        """An empty per-sequence engine cache, stamped with this kernel set's fingerprint."""
+        return SequenceCache(policy=self.kernels.fingerprint)
+
+    @torch.no_grad()
+    def engine_step(self, caches: list[SequenceCache], chunks: list[torch.Tensor], last_only: bool = False) -> list[torch.Tensor]:
+        """One engine step: prefill chunks (``L_i > 1``) and decode tokens (``L_i == 1``) of many sequences.
+
+        Args:
+            caches: per sequence, its :class:`SequenceCache` (updated in place).
+            chunks: per sequence, the new token ids ``[L_i]`` (int64), L_i >= 1.
+            last_only: return only the last row per sequence (what sampling needs).
+
+        Returns:
+            per sequence ``[L_i, V]`` (or ``[1, V]``) fp32 full-vocabulary logprobs; row j predicts the
+            token after ``chunks[i][j]``. Bits do not depend on the other sequences or on chunking.
+
+        Raises:
+            ValueError: mismatched lengths, an empty chunk, or a cache built under another kernel set
+                or other constants (its ``policy`` fingerprint differs).
+        """
+        if len(caches) != len(chunks):
+            raise ValueError(f"{len(caches)} caches for {len(chunks)} chunks")
+        fp = self.kernels.fingerprint
+        foreign = [c.policy for c in caches if c.policy != fp]
+        if foreign:
+            raise ValueError(f"a sequence cache built under kernel-set fingerprint {foreign[0]} cannot continue under "
+                             f"{fp} ({self.kernels.mode}/{self.kernels.arch}): start the sequence again")
+        if any(c.numel() == 0 for c in chunks):
+            raise ValueError("every chunk needs at least one token")
+        ids = torch.cat(chunks)
+        rows, r0 = [], 0
+        for c in chunks:
+            rows.append(torch.arange(r0, r0 + c.numel()))
+            r0 += c.numel()
+        starts = [c.position for c in caches]
+        rows_out = torch.stack([r[-1] for r in rows]) if last_only else None
+        out = self._run(ids, rows, starts, caches, False, rows_out)
+        for c, ch in zip(caches, chunks):
+            c.position += ch.numel()
+        if last_only:
+            return list(out.unsqueeze(1).unbind(0))
+        return list(out.split([c.numel() for c in chunks]))
+
+    # ------------------------------------------------------------------------- checkpoints, contract
+    @staticmethod
+    def from_config(config, kernels: KernelSet, dtype: torch.dtype = torch.bfloat16) -> "UnifiedModel":
+        """The family member for ``config.model_type`` (Qwen3-Next or Qwen3.5 MoE text).
+
+        Raises:
+            ValueError: a model type no family member handles (naming the supported ones).
+        """
+        from isoexec.model.qwen3_5 import Qwen3_5Model
+        from isoexec.model.qwen3_next import Qwen3NextModel
+
+        mt = str(getattr(config, "model_type", ""))
+        for member in (Qwen3NextModel, Qwen3_5Model):
+            if mt in member.model_types:
+                return member(config, kernels, dtype)
+        raise ValueError(f"model_type={mt!r} is not supported; supported: "
+                         f"{list(Qwen3NextModel.model_types + Qwen3_5Model.model_types)}")
+
+    @classmethod
+    def from_pretrained(cls, path, kernel_set: str = "isoexec", kernels=None, device: str = "cpu", dtype: torch.dtype | None = None) -> "UnifiedModel":
+        """Load a Hugging Face checkpoint folder (``Qwen3NextForCausalLM`` or a Qwen3.5 MoE text model).
+
+        Args:
+            path: folder with ``config.json`` and ``*.safetensors``.
+            kernel_set: "isoexec" or "native". kernels: an ``isoexec.config.KernelSection`` with the
+                pinned constants (defaults if None). device: "cpu" or "cuda".
+            dtype: parameter dtype; default the checkpoint's ``dtype``.
+
+        Raises:
+            FileNotFoundError / ValueError from :mod:`isoexec.model.hf`; RuntimeError on missing
+            or unexpected tensor names (strict load).
+        """
+        from isoexec.kernels import build_kernel_set
+        from isoexec.model.hf import read_config, read_weights
+
+        cfg = read_config(path)
+        if dtype is None:
+            dtype = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None) or torch.bfloat16
+            dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+        model = UnifiedModel.from_config(cfg, build_kernel_set(kernel_set, device, kernels), dtype)
+        sd = read_weights(path)
+        if getattr(cfg, "tie_word_embeddings", False):
+            sd.setdefault("lm_head.weight", sd["model.embed_tokens.weight"])
+        model.load_state_dict(sd, strict=True)
+        return model.to(device)
+
+    def save_pretrained(self, path) -> None:
+        """Write a Hugging Face checkpoint folder (``config.json`` + ``model.safetensors``) loadable by
+        transformers and vLLM."""
+        from isoexec.model.hf import write_checkpoint
+
+        cfg = self.config
+        cfg.dtype = self.dtype
+        sd = self.state_dict()
+        if getattr(cfg, "tie_word_embeddings", False):
+            sd.pop("lm_head.weight", None)
+        write_checkpoint(path, cfg, sd)
+
+    def contract(self, deployment: dict | None = None):
+        """The :class:`~isoexec.contract.ExecutionContract` of this model and kernel set (all four cases)."""
+        import hashlib
+        import json
+
+        from isoexec.contract import CASES, Claims, CompositionEntry, ExecutionContract, TopologyClaim
+
+        cfg = {k: v for k, v in sorted(self.config.to_dict().items()) if k not in _NON_SEMANTIC_CONFIG_KEYS}
+        model = {
+            "architecture": (self.config.architectures or ["Qwen3NextForCausalLM"])[0],
+            "config_sha256": hashlib.sha256(json.dumps(cfg, sort_keys=True, default=str).encode()).hexdigest(),
+            "param_dtype": str(self.dtype).replace("torch.", ""),
+        }
+        comp = [
+            CompositionEntry(i.region, CASES, i.impl_id, i.version, i.arch, i.constants_for(self.dtype), i.proof)
+            for i in self.kernels.composition(self.dtype)
+        ]
+        claims = Claims(
+            topology={"tp": TopologyClaim(domain=(1,), pinned=1), "ep": TopologyClaim(domain=(1,), pinned=1),
+                      "sp": TopologyClaim(domain=(1,), pinned=1)},
+            state={
+                "weight_sync": ("prefix_cache", "kv_cache", "gdn_state", "conv_state"),
+                "preemption": ("kv_cache", "gdn_state", "conv_state"),
+            },
+            tolerances={"logprob_abs_diff": 0.0} if self.kernels.name == "isoexec" else {},
+            engine={"enable_prefix_caching": False},
+        )
+        return ExecutionContract.build(model=model, cases=CASES, composition=comp, claims=claims,
+                                       deployment=deployment or {"torch_num_threads": torch.get_num_threads()})
+
+
+_NON_SEMANTIC_CONFIG_KEYS = {"transformers_version", "dtype", "torch_dtype", "use_cache", "architectures", "_name_or_path",
+                             "output_router_logits", "router_aux_loss_coef", "initializer_range"}
