@@ -128,6 +128,7 @@ def _isoexec_cpu(k) -> list[Impl]:
     from isoexec.kernels.gemm.cpu import iso_linear
     from isoexec.kernels.logprob.cpu import iso_logprob
     from isoexec.kernels.moe import cpu as moe
+    from isoexec.kernels.native_build import CFLAGS
     from isoexec.kernels.norm import cpu as norm
 
     def gdn_core(q, k_, v, g, beta, lengths, states, grad):
@@ -166,7 +167,8 @@ def _isoexec_cpu(k) -> list[Impl]:
         Impl("gdn.l2norm", "isoexec.cpu.l2norm", V, A, {**tree, "eps": 1e-6}, "gates:trainer_vs_engine", norm.iso_l2norm),
         Impl("gdn.core", "isoexec.cpu.cpr_gated_delta_rule", V, A,
              {"chunk_size": k.chunk_size, "state_dtype": "float32", "state_pass": "wy_ut_forward_subst",
-              "in_chunk": "recurrent", "decode_resync": True}, "gates:decode_chunk_boundaries", gdn_core),
+              "in_chunk": "recurrent_c_scan", "scan_order": "dk_ascending_fp32_no_fma",
+              "cflags": " ".join(CFLAGS), "decode_resync": True}, "gates:decode_chunk_boundaries", gdn_core),
         Impl("gdn.norm", "isoexec.cpu.gated_rms_norm", V, A, tree, "gates:trainer_vs_engine", norm.iso_gated_rms_norm),
         Impl("moe.router", "isoexec.cpu.router_softmax_stable_topk", V, A, {**gemm, "ties": "lower_id"},
              "gates:batch_composition", partial(moe.iso_router, row_tile=k.row_tile), bd),

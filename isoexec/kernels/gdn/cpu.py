@@ -13,13 +13,14 @@ Algorithm (the IsoExec design brief, DESIGN §3), chunk size C from the contract
        S_{c+1} = exp(G_C) S_c + (K * exp(G_C - G))^T U
 
 2. **In-chunk scan**: every chunk is scanned token by token from its entry state with the plain
-   recurrence (see ``reference.py``); all chunks of all sequences advance together.
+   recurrence (see ``reference.py``), in the C kernel ``cpr_scan.c`` (one pass over a state per
+   token, fixed fp32 operation order, no FMA).
 
 Decode runs the same per-token recurrence, buffers the open chunk's (k, v, g, beta) and, when the
 chunk completes, re-runs ``F`` over the buffer from the stored fp32 entry state and replaces the
 running state with the result (resync). So every case sees the same state at each chunk boundary
-and the same in-chunk scan. Every product is a ``torch.bmm`` whose per-matrix bits do not depend
-on the batch (see ``isoexec/kernels/primitives.py``); everything else is elementwise.
+and the same in-chunk scan. Every state-pass product is a ``torch.bmm`` whose per-matrix bits do not
+depend on the batch (see ``isoexec/kernels/primitives.py``); everything else is elementwise.
 
 Backward (``trainer_fwd``) is not bitwise: the kernel set wraps :func:`cpr_gdn` with
 :func:`isoexec.kernels.autograd.with_ref_grad`, so gradients come from transformers' chunked torch
@@ -93,25 +94,41 @@ def _state_pass_step(S: torch.Tensor, k, v, beta, T, G) -> torch.Tensor:
     return torch.exp(G[:, -1])[:, None, None] * S + torch.bmm(kd, U)
 
 
-def _scan(S: torch.Tensor, q, k, v, g, beta) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token-by-token recurrence for M segments in parallel from states S ``[M, Dk, Dv]``.
+def _scan(S: torch.Tensor, q, k, v, g, beta, segments: list[tuple[int, int]]) -> torch.Tensor:
+    """Token-by-token recurrence of many segments, each from its own state, in the C kernel
+    ``cpr_scan.c`` (one pass over a state per token; bits fixed by the kernel, see its header).
 
-    q, k ``[M, L, Dk]`` (q already scaled), v ``[M, L, Dv]``, g / beta ``[M, L]``; padded tokens carry
-    zeros and leave S exactly unchanged. Returns (o ``[M, L, Dv]``, final S). In-place updates of
-    one state buffer (same elementwise operations as the reference, fewer allocations).
+    Args:
+        S: ``[nseg*H, Dk, Dv]`` fp32 start states, updated in place to each segment's final state.
+        q, k: ``[N, H, Dk]`` fp32 (q already scaled). v: ``[N, H, Dv]``. g, beta: ``[N, H]``.
+        segments: per segment (first token row, length); segment j owns ``S[j*H:(j+1)*H]``.
+
+    Returns:
+        o ``[N, H, Dv]`` fp32 for the rows the segments cover (other rows 0).
     """
-    S = S.clone()
-    decay = torch.exp(g)
-    outer = torch.empty_like(S)
-    outs = []
-    for t in range(q.shape[1]):
-        S.mul_(decay[:, t, None, None])
-        kv = torch.bmm(k[:, t : t + 1], S)[:, 0]  # [M, Dv]
-        u = (v[:, t] - kv) * beta[:, t, None]
-        torch.mul(k[:, t, :, None], u[:, None, :], out=outer)
-        S.add_(outer)
-        outs.append(torch.bmm(q[:, t : t + 1], S)[:, 0])
-    return torch.stack(outs, dim=1), S
+    import ctypes
+
+    lib = _scan_lib()
+    N, H, Dk = k.shape
+    Dv = v.shape[-1]
+    q, k, v, beta = (x.float().contiguous() for x in (q, k, v, beta))
+    decay = torch.exp(g.float()).contiguous()
+    o = torch.zeros(N, H, Dv)
+    meta = torch.tensor(segments, dtype=torch.int64).reshape(-1, 2).t().contiguous()
+    work = torch.empty(3 * Dv)
+    ptr = lambda t: ctypes.c_void_p(t.data_ptr())  # noqa: E731
+    lib.isoexec_cpr_scan(ptr(S), ptr(q), ptr(k), ptr(v), ptr(decay), ptr(beta), ptr(o), ptr(meta[0]), ptr(meta[1]),
+                         ctypes.c_int64(len(segments)), ctypes.c_int64(H), ctypes.c_int64(Dk), ctypes.c_int64(Dv),
+                         ptr(work))
+    return o
+
+
+def _scan_lib():
+    from pathlib import Path
+
+    from isoexec.kernels.native_build import load_c_kernel
+
+    return load_c_kernel(str(Path(__file__).with_name("cpr_scan.c")))
 
 
 def cpr_gdn(
@@ -184,39 +201,24 @@ def cpr_gdn(
             for j, i in enumerate(members):
                 entries[(i, c + 1)] = S_next[j * H : (j + 1) * H]
     # ---- segments: new tokens of each touched chunk, scanned from that chunk's start state
-    seg_state, seg_q, seg_k, seg_v, seg_g, seg_b, seg_where = [], [], [], [], [], [], []
+    seg_state, segments, seg_seq = [], [], []
     for i, s in enumerate(seqs):
         n_open, m = s["st"].n_open, s["m"]
         for c in range(n_open // C, -(-m // C) if m else 0):
             a, b = max(c * C, n_open), min((c + 1) * C, m)
             if a >= b:
                 continue
-            start = s["st"].running if c == n_open // C else entries[(i, c)]
-            rows = slice(s["row0"] + a - n_open, s["row0"] + b - n_open)
-            seg_state.append(start)
-            seg_q.append(q[rows].transpose(0, 1))
-            seg_k.append(s["k"][a:b].transpose(0, 1))
-            seg_v.append(s["v"][a:b].transpose(0, 1))
-            seg_g.append(s["g"][a:b].t())
-            seg_b.append(s["b"][a:b].t())
-            seg_where.append((i, c, rows, b - a))
-    out = q.new_zeros(N, H, Dv)
+            seg_state.append(s["st"].running if c == n_open // C else entries[(i, c)])
+            segments.append((s["row0"] + a - n_open, b - a))
+            seg_seq.append(i)
     final_running: dict[int, torch.Tensor] = {}
-    if seg_where:
-        L = max(w[3] for w in seg_where)
-
-        def pad(xs, dims):
-            return torch.cat(
-                [torch.nn.functional.pad(x, (0, 0) * (dims - 1) + (0, L - x.shape[1])) for x in xs]
-            ).contiguous()
-
-        S0 = torch.cat(seg_state)  # [nseg*H, Dk, Dv]
-        # Padded steps leave S exactly unchanged, so S_fin holds each segment's state after its last token.
-        o, S_fin = _scan(S0, pad(seg_q, 2), pad(seg_k, 2), pad(seg_v, 2), pad(seg_g, 1), pad(seg_b, 1))
-        o = o.reshape(len(seg_where), H, L, Dv)
-        for j, (i, c, rows, n) in enumerate(seg_where):
-            out[rows] = o[j, :, :n].transpose(0, 1)
-            final_running[i] = S_fin[j * H : (j + 1) * H]
+    if segments:
+        S = torch.cat(seg_state).contiguous()  # [nseg*H, Dk, Dv], a fresh copy the scan updates in place
+        out = _scan(S, q, k, v, g, beta, segments)
+        for j, i in enumerate(seg_seq):
+            final_running[i] = S[j * H : (j + 1) * H]  # the last segment of a sequence wins
+    else:
+        out = q.new_zeros(N, H, Dv)
     if not keep_state:
         return out, [None] * len(seqs)
     new_states = []

@@ -1,0 +1,52 @@
+"""Build and load the project's own C kernels (CPU): compiled once per machine with the system C
+compiler into a cache folder, loaded with ``ctypes``.
+
+The flags are part of a kernel's bits and are recorded in the contract by the kernel that uses them:
+``-O3 -march=native`` (vector width may differ between machines; the kernels are written so that it
+cannot change a result), ``-ffp-contract=off`` (no fused multiply-add), no ``-ffast-math``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from functools import cache
+from pathlib import Path
+
+CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fPIC", "-shared", "-std=c11")
+"""Compiler flags of every C kernel (bit-relevant: recorded in the contract)."""
+
+
+def cache_dir() -> Path:
+    """Where built libraries are kept: ``~/.cache/isoexec``."""
+    return Path.home() / ".cache" / "isoexec"
+
+
+@cache
+def load_c_kernel(source: str) -> ctypes.CDLL:
+    """Compile ``source`` (a file path) to a shared library, keyed by its content and the flags, and load it.
+
+    Raises:
+        RuntimeError: no C compiler on PATH (names what was looked for) or the compiler failed
+            (with its message).
+    """
+    src = Path(source)
+    code = src.read_bytes()
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise RuntimeError("no C compiler on PATH (looked for cc, gcc): the isoexec CPU kernels need one")
+    key = hashlib.sha256(code + " ".join(CFLAGS).encode() + cc.encode()).hexdigest()[:16]
+    lib = cache_dir() / f"{src.stem}-{key}.so"
+    if not lib.exists():
+        lib.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
+            out = Path(tmp) / lib.name
+            r = subprocess.run([cc, *CFLAGS, str(src), "-o", str(out)], capture_output=True, text=True)
+            if r.returncode != 0:
+                raise RuntimeError(f"compiling {src.name} with {cc} failed:\n{r.stderr}")
+            os.replace(out, lib)  # atomic: concurrent builders leave one complete library
+    return ctypes.CDLL(str(lib))
