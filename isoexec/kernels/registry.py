@@ -188,7 +188,7 @@ def _isoexec_cpu(k) -> list[Impl]:
 
 def _native(k, device: str) -> list[Impl]:
     from isoexec.kernels.attention import native as attn, rope
-    from isoexec.kernels.conv.native import native_causal_conv1d
+    from isoexec.kernels.conv.native import native_causal_conv1d_pieces
     from isoexec.kernels.gdn import native as gdn
     from isoexec.kernels.gemm.native import native_linear
     from isoexec.kernels.logprob.native import native_logprob
@@ -225,7 +225,7 @@ def _native(k, device: str) -> list[Impl]:
         impl("attn.rope", "native.torch.attn.rope", rope.apply_rope),
         impl("attn.core", "native.torch.attn.core" if device == "cpu" else "native.torch.sdpa", attn.native_attention),
         impl("attn.gate", "native.torch.attn.gate", attn.native_sigmoid_gate),
-        impl("gdn.conv1d", "native.torch.gdn.conv1d", native_causal_conv1d),
+        impl("gdn.conv1d", "native.torch.gdn.conv1d", native_causal_conv1d_pieces),
         impl("gdn.gating", "native.torch.gdn.gating", gdn.native_gating),
         impl("gdn.l2norm", "native.torch.gdn.l2norm", norm.native_l2norm),
         impl("gdn.core", gdn_id, gdn_core),
@@ -285,7 +285,7 @@ def _isoexec_sm90(k) -> list[Impl]:
         Impl("attn.gate", "isoexec.torch.sigmoid_gate", V, A, ew, "gates:trainer_vs_engine", attn_cpu.iso_sigmoid_gate),
         Impl("gdn.conv1d", "isoexec.triton.causal_conv1d", V, A,
              {"order": "tap_ascending", "acc_dtype": "float32", "tile_t": t.conv_block_t, "tile_c": t.conv_block_c},
-             "gates:prefill_split", partial(conv.causal_conv1d_autograd, block_t=t.conv_block_t, block_c=t.conv_block_c)),
+             "gates:prefill_split", partial(conv.causal_conv1d_pieces, block_t=t.conv_block_t, block_c=t.conv_block_c)),
         Impl("gdn.gating", "isoexec.torch.gdn_gating", V, A, ew, "gates:trainer_vs_engine", gdn_cpu.iso_gating),
         Impl("gdn.l2norm", "isoexec.triton.l2norm", V, A, {**row, "eps": 1e-6}, "gates:trainer_vs_engine",
              norm.l2norm_autograd),

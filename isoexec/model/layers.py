@@ -157,16 +157,13 @@ class GatedDeltaNet(nn.Module):
     def forward(self, ks: KernelSet, x, batch: Batch):
         n, dtype = x.shape[0], x.dtype
         mixed, z, b, a = self.project(ks, x)
-        w = self.conv1d.weight.squeeze(1)
-        conv_out = []
-        for rows, cache in zip(batch.seq_rows, batch.caches):
-            prefix = None if cache is None else cache.conv.get(self.layer_idx)
-            if prefix is None:
-                prefix = mixed.new_zeros(self.kc - 1, self.conv_dim)
-            y, new_prefix = ks["gdn.conv1d"](mixed[rows], w, prefix)
+        zero = mixed.new_zeros(self.kc - 1, self.conv_dim)
+        prefixes = [zero if c is None or self.layer_idx not in c.conv else c.conv[self.layer_idx] for c in batch.caches]
+        conv_out, new_prefixes = ks["gdn.conv1d"]([mixed[rows] for rows in batch.seq_rows],
+                                                  self.conv1d.weight.squeeze(1), prefixes)
+        for cache, p in zip(batch.caches, new_prefixes):
             if cache is not None:
-                cache.conv[self.layer_idx] = new_prefix.detach()
-            conv_out.append(y)
+                cache.conv[self.layer_idx] = p.detach()
         mixed = batch.scatter(torch.cat(conv_out), n)
         q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         g, beta = ks["gdn.gating"](a, b, self.A_log, self.dt_bias)

@@ -12,3 +12,11 @@ def native_causal_conv1d(x: torch.Tensor, w: torch.Tensor, prefix: torch.Tensor)
     full = torch.cat([prefix.to(x.dtype), x], dim=0)  # [Kc-1+L, C]
     y = F.conv1d(full.t().unsqueeze(0), w.to(x.dtype).unsqueeze(1), groups=w.shape[0])[0].t()
     return F.silu(y), full[-(kc - 1) :] if kc > 1 else prefix
+
+
+def native_causal_conv1d_pieces(pieces: list[torch.Tensor], w: torch.Tensor, prefixes: list[torch.Tensor]
+                                ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """:func:`native_causal_conv1d` piece by piece (the region's batched signature, see
+    :func:`isoexec.kernels.conv.cpu.iso_causal_conv1d`)."""
+    out = [native_causal_conv1d(x, w, p) for x, p in zip(pieces, prefixes)]
+    return [y for y, _ in out], [p for _, p in out]

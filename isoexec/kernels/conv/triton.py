@@ -65,3 +65,10 @@ def causal_conv1d_autograd(x: torch.Tensor, w: torch.Tensor, prefix: torch.Tenso
     kc = w.shape[1]
     new_prefix = torch.cat([prefix.to(x.dtype), x.detach()])[-(kc - 1):] if kc > 1 else prefix
     return y, new_prefix
+
+
+def causal_conv1d_pieces(pieces: list[torch.Tensor], w: torch.Tensor, prefixes: list[torch.Tensor], block_t: int,
+                         block_c: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """:func:`causal_conv1d_autograd` piece by piece (the region's batched signature)."""
+    out = [causal_conv1d_autograd(x, w, p, block_t, block_c) for x, p in zip(pieces, prefixes)]
+    return [y for y, _ in out], [p for _, p in out]
