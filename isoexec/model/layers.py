@@ -113,11 +113,8 @@ class Attention(nn.Module):
         kv = []
         for rows, cache in zip(batch.seq_rows, batch.caches):
             kb, vb = k[rows], v[rows]
-            if cache is not None and self.layer_idx in cache.kv:
-                pk, pv = cache.kv[self.layer_idx]
-                kb, vb = torch.cat([pk, kb]), torch.cat([pv, vb])
             if cache is not None:
-                cache.kv[self.layer_idx] = (kb.detach(), vb.detach())
+                kb, vb = cache.append_kv(self.layer_idx, kb.detach(), vb.detach())
             kv.append((kb, vb))
         o = ks["attn.core"](q[batch.all_rows], kv, batch.starts, batch.lengths)
         o = batch.scatter(o, n)

@@ -13,18 +13,21 @@
  * over the DV columns, which are independent, so the SIMD width does not change a result, and a
  * state's result depends only on its own inputs (never on the number of states or its index).
  *
- * Layout: tokens [N, H, D] (row-major, fp32); segment s covers token rows row0[s] .. row0[s]+len[s]-1
- * and owns states S[s*H + h]; o [N, H, DV] receives the outputs of those rows.
+ * Layout: tokens [N, H, D] (row-major, fp32); segment s covers token rows row0[s] .. row0[s]+len[s]-1,
+ * starts from the H states at src[s] ([H, DK, DV] contiguous, only read) and leaves its final states
+ * in S[s*H + h]; o [N, H, DV] receives the outputs of those rows.
  */
 #include <stdint.h>
+#include <string.h>
 
-void isoexec_cpr_scan(float *S, const float *q, const float *k, const float *v, const float *decay,
-                      const float *beta, float *o, const int64_t *row0, const int64_t *len, int64_t nseg,
-                      int64_t H, int64_t DK, int64_t DV, float *work) {
+void isoexec_cpr_scan(float *S, const float *const *src, const float *q, const float *k, const float *v,
+                      const float *decay, const float *beta, float *o, const int64_t *row0, const int64_t *len,
+                      int64_t nseg, int64_t H, int64_t DK, int64_t DV, float *work) {
     float *kv = work, *u = work + DV, *acc = work + 2 * DV;
     for (int64_t s = 0; s < nseg; ++s) {
         for (int64_t h = 0; h < H; ++h) {
             float *St = S + (s * H + h) * DK * DV;
+            memcpy(St, src[s] + h * DK * DV, (size_t)(DK * DV) * sizeof(float));
             for (int64_t t = row0[s]; t < row0[s] + len[s]; ++t) {
                 const int64_t r = t * H + h;
                 const float *kt = k + r * DK, *qt = q + r * DK, *vt = v + r * DV;

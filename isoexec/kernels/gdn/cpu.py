@@ -40,32 +40,35 @@ from isoexec.kernels.primitives import sigmoid, softplus
 
 @dataclass
 class CPRState:
-    """Per-sequence CPR state of one GDN layer (all fp32).
+    """Per-sequence CPR state of one GDN layer (all fp32). Immutable: a step returns a new state.
 
     Attributes:
         chunk_size: the chunk size C that built this state (a state refuses to continue under another C).
         entry: ``[H, Dk, Dv]`` state entering the open chunk (output of the state pass).
         running: ``[H, Dk, Dv]`` state after the last consumed token.
-        buf_k: ``[n_open, H, Dk]``, buf_v ``[n_open, H, Dv]``, buf_g / buf_beta ``[n_open, H]``: the raw
-            inputs of the open chunk (n_open = consumed tokens mod C).
+        pending: the raw inputs of the open chunk, as the pieces they arrived in: each
+            ``(rows, a, b)``, rows ``a:b`` of a step's packed ``[N, H*Dk + H*Dv + 2H]`` inputs
+            (k | v | g | beta); ``n_open`` tokens in all (consumed tokens mod C). Kept as references
+            so that a decode step appends without copying.
+        n_open: tokens in the open chunk.
     """
 
     chunk_size: int
     entry: torch.Tensor
     running: torch.Tensor
-    buf_k: torch.Tensor
-    buf_v: torch.Tensor
-    buf_g: torch.Tensor
-    buf_beta: torch.Tensor
-
-    @property
-    def n_open(self) -> int:
-        return self.buf_k.shape[0]
+    pending: tuple[tuple[torch.Tensor, int, int], ...] = ()
+    n_open: int = 0
 
     @classmethod
     def zeros(cls, chunk_size: int, h: int, dk: int, dv: int) -> "CPRState":
         z = torch.zeros(h, dk, dv)
-        return cls(chunk_size, z, z.clone(), torch.zeros(0, h, dk), torch.zeros(0, h, dv), torch.zeros(0, h), torch.zeros(0, h))
+        return cls(chunk_size, z, z)
+
+
+def _unpack(rows: torch.Tensor, H: int, Dk: int, Dv: int):
+    """(k ``[n, H, Dk]``, v ``[n, H, Dv]``, g ``[n, H]``, beta ``[n, H]``) of packed pending rows."""
+    k, v, g, b = rows.split([H * Dk, H * Dv, H, H], dim=1)
+    return k.reshape(-1, H, Dk), v.reshape(-1, H, Dv), g, b
 
 
 def _ut_inverse(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,17 +97,19 @@ def _state_pass_step(S: torch.Tensor, k, v, beta, T, G) -> torch.Tensor:
     return torch.exp(G[:, -1])[:, None, None] * S + torch.bmm(kd, U)
 
 
-def _scan(S: torch.Tensor, q, k, v, g, beta, segments: list[tuple[int, int]]) -> torch.Tensor:
+def _scan(starts: list[torch.Tensor], q, k, v, g, beta, segments: list[tuple[int, int]]
+          ) -> tuple[torch.Tensor, torch.Tensor]:
     """Token-by-token recurrence of many segments, each from its own state, in the C kernel
     ``cpr_scan.c`` (one pass over a state per token; bits fixed by the kernel, see its header).
 
     Args:
-        S: ``[nseg*H, Dk, Dv]`` fp32 start states, updated in place to each segment's final state.
+        starts: per segment its start states ``[H, Dk, Dv]`` fp32 (contiguous; only read).
         q, k: ``[N, H, Dk]`` fp32 (q already scaled). v: ``[N, H, Dv]``. g, beta: ``[N, H]``.
-        segments: per segment (first token row, length); segment j owns ``S[j*H:(j+1)*H]``.
+        segments: per segment (first token row, length).
 
     Returns:
-        o ``[N, H, Dv]`` fp32 for the rows the segments cover (other rows 0).
+        (o ``[N, H, Dv]`` fp32 for the rows the segments cover (other rows 0), final states
+        ``[nseg*H, Dk, Dv]``: segment j's are rows ``j*H:(j+1)*H``).
     """
     import ctypes
 
@@ -113,14 +118,17 @@ def _scan(S: torch.Tensor, q, k, v, g, beta, segments: list[tuple[int, int]]) ->
     Dv = v.shape[-1]
     q, k, v, beta = (x.float().contiguous() for x in (q, k, v, beta))
     decay = torch.exp(g.float()).contiguous()
+    starts = [s.contiguous() for s in starts]
+    S = torch.empty(len(segments) * H, Dk, Dv)
     o = torch.zeros(N, H, Dv)
     meta = torch.tensor(segments, dtype=torch.int64).reshape(-1, 2).t().contiguous()
+    src = torch.tensor([s.data_ptr() for s in starts], dtype=torch.int64)
     work = torch.empty(3 * Dv)
     ptr = lambda t: ctypes.c_void_p(t.data_ptr())  # noqa: E731
-    lib.isoexec_cpr_scan(ptr(S), ptr(q), ptr(k), ptr(v), ptr(decay), ptr(beta), ptr(o), ptr(meta[0]), ptr(meta[1]),
-                         ctypes.c_int64(len(segments)), ctypes.c_int64(H), ctypes.c_int64(Dk), ctypes.c_int64(Dv),
-                         ptr(work))
-    return o
+    lib.isoexec_cpr_scan(ptr(S), ptr(src), ptr(q), ptr(k), ptr(v), ptr(decay), ptr(beta), ptr(o), ptr(meta[0]),
+                         ptr(meta[1]), ctypes.c_int64(len(segments)), ctypes.c_int64(H), ctypes.c_int64(Dk),
+                         ctypes.c_int64(Dv), ptr(work))
+    return o, S
 
 
 def _scan_lib():
@@ -163,74 +171,82 @@ def cpr_gdn(
     if bad:
         raise ValueError(f"a GDN state built with chunk size C={bad[0]} cannot continue under C={C}")
     q = q * Dk**-0.5
-    # ---- per sequence: full chunk-aligned inputs (open buffer + new tokens)
-    seqs = []
-    row0 = 0
-    for n, st in zip(lengths, states):
-        st = st if st is not None else CPRState.zeros(C, H, Dk, Dv)
-        sl = slice(row0, row0 + n)
-        fk = torch.cat([st.buf_k, k[sl]])
-        fv = torch.cat([st.buf_v, v[sl]])
-        fg = torch.cat([st.buf_g, g[sl]])
-        fb = torch.cat([st.buf_beta, beta[sl]])
-        seqs.append(dict(st=st, n=n, row0=row0, k=fk, v=fv, g=fg, b=fb, m=st.n_open + n))
-        row0 += n
-    # ---- chunk-only quantities for every complete chunk, all at once
-    complete = []  # (seq, chunk) in order
-    for i, s in enumerate(seqs):
-        complete += [(i, c) for c in range(s["m"] // C)]
-    entries: dict[tuple[int, int], torch.Tensor] = {}
-    for i, s in enumerate(seqs):
-        entries[(i, 0)] = s["st"].entry
+    states = [st if st is not None else CPRState.zeros(C, H, Dk, Dv) for st in states]
+    row0 = [0]
+    for n in lengths:
+        row0.append(row0[-1] + n)
+    m = [st.n_open + n for st, n in zip(states, lengths)]  # open-chunk tokens + new tokens
+    nfull = [mi // C for mi in m]
+    # ---- every complete chunk (sequence-major, chunk order): its C tokens, gathered in one index op
+    #      per input tensor; a chunk that starts with pending tokens is assembled from them first.
+    complete = [(i, c) for i in range(len(states)) for c in range(nfull[i])]
+    entries: dict[tuple[int, int], torch.Tensor] = {(i, 0): st.entry for i, st in enumerate(states)}
     if complete:
-        ck = torch.stack([seqs[i]["k"][c * C : (c + 1) * C].transpose(0, 1) for i, c in complete])  # [nc, H, C, Dk]
-        cv = torch.stack([seqs[i]["v"][c * C : (c + 1) * C].transpose(0, 1) for i, c in complete])
-        cg = torch.stack([seqs[i]["g"][c * C : (c + 1) * C].t() for i, c in complete])  # [nc, H, C]
-        cb = torch.stack([seqs[i]["b"][c * C : (c + 1) * C].t() for i, c in complete])
+        rows, assembled = [], {}
+        for i, c in complete:
+            st = states[i]
+            if c == 0 and st.n_open:
+                fill = C - st.n_open
+                old = _unpack(torch.cat([t[a:b] for t, a, b in st.pending]), H, Dk, Dv)
+                new = [x[row0[i] : row0[i] + fill] for x in (k, v, g, beta)]
+                assembled[len(rows) // C] = [torch.cat([o_, n_]) for o_, n_ in zip(old, new)]
+                rows += [0] * C  # placeholder rows, overwritten below
+            else:
+                start = row0[i] + c * C - st.n_open
+                rows += range(start, start + C)
+        idx = torch.tensor(rows, dtype=torch.long)
+        ck, cv, cg, cb = (x[idx].view(len(complete), C, *x.shape[1:]) for x in (k, v, g, beta))
+        for j, parts in assembled.items():
+            ck[j], cv[j], cg[j], cb[j] = parts
         nc = len(complete)
-        ck, cv = ck.reshape(nc * H, C, Dk).contiguous(), cv.reshape(nc * H, C, Dv).contiguous()
-        cg, cb = cg.reshape(nc * H, C).contiguous(), cb.reshape(nc * H, C).contiguous()
+        ck = ck.transpose(1, 2).reshape(nc * H, C, Dk).contiguous()
+        cv = cv.transpose(1, 2).reshape(nc * H, C, Dv).contiguous()
+        cg = cg.transpose(1, 2).reshape(nc * H, C).contiguous()
+        cb = cb.transpose(1, 2).reshape(nc * H, C).contiguous()
         T, G = _ut_inverse(ck, cg, cb)
         index = {sc: j for j, sc in enumerate(complete)}
         # ---- the fp32 state chain, batched across sequences at each chunk index
-        for c in range(max(s["m"] // C for s in seqs)):
-            members = [i for i, s in enumerate(seqs) if s["m"] // C > c]
-            rows = torch.cat([torch.arange(index[(i, c)] * H, index[(i, c)] * H + H) for i in members])
+        for c in range(max(nfull)):
+            members = [i for i in range(len(states)) if nfull[i] > c]
+            sel = torch.cat([torch.arange(index[(i, c)] * H, index[(i, c)] * H + H) for i in members])
             S = torch.cat([entries[(i, c)] for i in members])  # [len*H, Dk, Dv]
-            S_next = _state_pass_step(S, ck[rows], cv[rows], cb[rows], T[rows], G[rows])
+            S_next = _state_pass_step(S, ck[sel], cv[sel], cb[sel], T[sel], G[sel])
             for j, i in enumerate(members):
                 entries[(i, c + 1)] = S_next[j * H : (j + 1) * H]
     # ---- segments: new tokens of each touched chunk, scanned from that chunk's start state
     seg_state, segments, seg_seq = [], [], []
-    for i, s in enumerate(seqs):
-        n_open, m = s["st"].n_open, s["m"]
-        for c in range(n_open // C, -(-m // C) if m else 0):
-            a, b = max(c * C, n_open), min((c + 1) * C, m)
+    for i, st in enumerate(states):
+        n_open = st.n_open
+        for c in range(n_open // C, -(-m[i] // C) if m[i] else 0):
+            a, b = max(c * C, n_open), min((c + 1) * C, m[i])
             if a >= b:
                 continue
-            seg_state.append(s["st"].running if c == n_open // C else entries[(i, c)])
-            segments.append((s["row0"] + a - n_open, b - a))
+            seg_state.append(st.running if c == n_open // C else entries[(i, c)])
+            segments.append((row0[i] + a - n_open, b - a))
             seg_seq.append(i)
     final_running: dict[int, torch.Tensor] = {}
     if segments:
-        S = torch.cat(seg_state).contiguous()  # [nseg*H, Dk, Dv], a fresh copy the scan updates in place
-        out = _scan(S, q, k, v, g, beta, segments)
+        out, S = _scan(seg_state, q, k, v, g, beta, segments)
         for j, i in enumerate(seg_seq):
             final_running[i] = S[j * H : (j + 1) * H]  # the last segment of a sequence wins
     else:
         out = q.new_zeros(N, H, Dv)
     if not keep_state:
-        return out, [None] * len(seqs)
+        return out, [None] * len(states)
     new_states = []
-    for i, s in enumerate(seqs):
-        m, nfull = s["m"], s["m"] // C
-        entry = entries[(i, nfull)]
-        if m % C == 0:
-            running = entry  # chunk boundary: resync to the state pass
-        else:
-            running = final_running.get(i, s["st"].running)
-        t0 = nfull * C
-        new_states.append(CPRState(C, entry, running, s["k"][t0:], s["v"][t0:], s["g"][t0:], s["b"][t0:]))
+    packed = None
+    for i, st in enumerate(states):
+        entry = entries[(i, nfull[i])]
+        if m[i] % C == 0:
+            new_states.append(CPRState(C, entry, entry))  # chunk boundary: resync to the state pass
+            continue
+        tail = m[i] - nfull[i] * C  # tokens of the new open chunk, all from this call's rows when nfull > 0
+        a = row0[i + 1] - (tail if nfull[i] else lengths[i])
+        if packed is None:
+            packed = torch.cat([k.reshape(N, -1), v.reshape(N, -1), g, beta], dim=1)
+        piece = (packed, a, row0[i + 1])
+        pending = (piece,) if nfull[i] else st.pending + (piece,)
+        new_states.append(CPRState(C, entry, final_running.get(i, st.running), pending, tail))
     return out, new_states
 
 
