@@ -206,7 +206,7 @@ GOOD = [[3, 4, 5, 6]]
 def _still_usable(engine):
     """A valid request after a refused one returns (an in-process engine whose forward had failed on a
     bad request kept it scheduled with nothing to sample, and the next generate never returned)."""
-    assert [len(s.token_ids) for s in engine.generate(GOOD, max_tokens=2)] == [2]
+    assert [[len(c.token_ids) for c in group] for group in engine.generate(GOOD, max_tokens=2)] == [[2]]
 
 
 @pytest.mark.timeout(300)
