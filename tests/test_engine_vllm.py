@@ -306,7 +306,7 @@ def test_isoexec_model_refuses_an_engine_without_the_per_request_checks(toy_engi
 @pytest.mark.parametrize("kind", ["missing_experts", "extra", "shape", "dtype"])
 def test_sync_refuses_a_state_that_is_not_the_engine_parameter_set_before_moving_weights(iso_engine, iso_trainer,
                                                                                          kind):
-    """The issue's case: after an update, 94 of 106 tensors (all model.layers.0.mlp.experts.* left out)
+    """The reported case: after an update, 94 of 106 tensors (all model.layers.0.mlp.experts.* left out)
     used to be applied and accepted, leaving the engine 0.62 nats away from the trainer."""
     from isoexec.engines.weight_sync import WeightSyncError
 

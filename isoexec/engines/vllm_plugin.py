@@ -39,9 +39,9 @@ engine runs with ``logprobs_mode="raw_logits"``: the sampler then returns the ro
 the sampled-token logprobs and prompt logprobs are our bits exactly. Sampling uses temperature
 1.0, top_p 1, top_k off, no penalties / processors: ``softmax(logp) == p`` so tokens are drawn from
 the policy. Every request with other sampling settings is refused at admission, whichever API it
-came through (``isoexec.engines.requests``). Only
-the rows vLLM reads are computed: the last row of each request's chunk (``last_only``), unless the
-request asked for prompt logprobs; other rows hold NaN.
+came through (``isoexec.engines.requests``). Only the rows vLLM reads are computed: the last row of
+each request's chunk (``last_only``), unless the request asked for prompt logprobs; other rows hold
+NaN.
 
 **Weights.** ``load_weights`` (vLLM's loader) and :meth:`IsoExecWorkerExtension.isoexec_update_weights`
 (weight sync through ``LLM.collective_rpc`` with ``worker_extension_cls``, vLLM's documented RLHF
