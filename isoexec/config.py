@@ -259,6 +259,16 @@ class ExperimentConfig(_Section):
                                 "use 'unified' for isoexec")
         if self.gates.max_len < self.gates.min_len:
             problems.append(f"gates.max_len={self.gates.max_len} < gates.min_len={self.gates.min_len}")
+        # Settings one arm of a paired run cannot honour (README, "What isoexec mode refuses"); the
+        # rollout check runs vLLM in both modes whatever engine.backend says.
+        if m.tie_word_embeddings:
+            problems.append("model.tie_word_embeddings=true cannot be honoured by the native arm: vLLM's "
+                            "Qwen3NextForCausalLM does not tie lm_head to the embedding (a tied checkpoint has "
+                            "no lm_head.weight, so the native engine would run an uninitialised head); set it to false")
+        if self.engine.enable_prefix_caching:
+            problems.append("engine.enable_prefix_caching=true cannot be honoured by the isoexec arm: a cached "
+                            "prefix would start a request past position 0 without the model's per-request state; "
+                            "set it to false")
         if problems:
             raise ValueError("; ".join(problems))
         return self

@@ -46,6 +46,9 @@ class ToyUnifiedModel(nn.Module):
         temperature = kernels.temperature if kernels is not None else 1.0
         m = cls(cfg["vocab_size"], cfg["hidden_size"], temperature, tag)
         sd = load_file(str(Path(path) / "model.safetensors"))
+        if cfg.get("tie_word_embeddings"):  # a tied checkpoint holds no lm_head.weight
+            m.lm_head.weight = m.model.embed_tokens.weight
+            sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
         own = {k: sd[k] for k in ("model.embed_tokens.weight", "lm_head.weight")}
         m.load_state_dict(own, strict=True)
         return m

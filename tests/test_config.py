@@ -39,6 +39,9 @@ def test_shipped_experiments_load(name):
         ("trainer: {backend: {native: hf}}", "no entry for mode 'isoexec'"),
         ("trainer: {backend: megatronn}", "backend"),
         ("engine: {backend: sglang}", "backend"),
+        # settings one arm of a paired run cannot honour
+        ("model: {tie_word_embeddings: true}", "model.tie_word_embeddings=true cannot be honoured by the native arm"),
+        ("engine: {enable_prefix_caching: true}", "engine.enable_prefix_caching=true cannot be honoured by the isoexec arm"),
     ],
 )
 def test_bad_values_fail_at_load_naming_the_key(tmp_path, body, key):

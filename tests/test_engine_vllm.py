@@ -175,6 +175,7 @@ def test_sync_checksums_equal_trainer_and_gdn_caches_dropped(iso_engine, iso_tra
         sd = {k: (v * 1.5).to(v.dtype) for k, v in iso_trainer.state_dict().items() if v.is_floating_point()}
     got = iso_engine.sync_weights(sd, iso_trainer.contract())
     assert got == state_checksums(sd)
+    assert set(got) == set(iso_engine.checksums())  # the compare covered every engine tensor
     assert iso_engine.checksums(list(sd)) == state_checksums(sd)
     assert iso_engine.cache_state()["caches"] == 0
 
@@ -182,7 +183,7 @@ def test_sync_checksums_equal_trainer_and_gdn_caches_dropped(iso_engine, iso_tra
 def test_sync_then_rollout_matches_the_new_weights(toy_engine, toy_trainer, prompts):
     with torch.no_grad():
         toy_trainer.lm_head.weight.mul_(2)
-    sd = {"lm_head.weight": toy_trainer.lm_head.weight.detach().clone()}
+    sd = {k: v.detach().clone() for k, v in toy_trainer.state_dict().items()}  # a sync sends every tensor
     toy_engine.sync_weights(sd, toy_trainer.contract())
     assert toy_engine.cache_state()["caches"] == 0
     res = compare("isoexec", toy_engine.generate(prompts, max_tokens=8, seed=1), prompts, toy_trainer)
@@ -196,6 +197,178 @@ def test_prefix_caching_is_refused_at_engine_start(ckpt):
     # The engine never starts, so it never tears down the other module engines' shared state.
     with pytest.raises(ClaimViolation, match="enable_prefix_caching"):
         RolloutEngine(ckpt, "isoexec", ENGINE.model_copy(update={"enable_prefix_caching": True}), model_factory=TOY)
+
+
+# --------------------------------------------------------------------------- per-request boundaries
+GOOD = [[3, 4, 5, 6]]
+
+
+def _still_usable(engine):
+    """A valid request after a refused one returns (an in-process engine whose forward had failed on a
+    bad request kept it scheduled with nothing to sample, and the next generate never returned)."""
+    assert [[len(c.token_ids) for c in group] for group in engine.generate(GOOD, max_tokens=2)] == [[2]]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("key, value", [
+    ("temperature", 0.0), ("temperature", 0.5), ("top_p", 0.8), ("top_k", 5), ("top_k", 2), ("min_p", 0.05),
+    ("repetition_penalty", 1.5), ("presence_penalty", 0.5), ("frequency_penalty", 0.5), ("min_tokens", 2),
+    ("logit_bias", {3: 5.0}), ("allowed_token_ids", [1, 2]), ("bad_words", ["x"]), ("seed", 1),
+])
+def test_isoexec_refuses_sampling_settings_per_request_through_vllm_api(toy_engine, key, value):
+    """vLLM's own API (how an RL framework's generator calls the engine): these settings used to be
+    accepted, sampling from a changed distribution while returning the policy's rows."""
+    from vllm import SamplingParams
+
+    from isoexec.engines.requests import RequestRefused
+
+    params = SamplingParams(max_tokens=4, detokenize=False, logprobs=0, **{key: value})
+    with pytest.raises(RequestRefused, match=rf"isoexec mode refuses this request: {key}=.* \(allowed: "):
+        toy_engine.llm.generate([{"prompt_token_ids": GOOD[0]}], params, use_tqdm=False)
+    _still_usable(toy_engine)
+
+
+def test_isoexec_accepts_the_policy_sampling_settings_through_vllm_api(toy_engine, toy_trainer):
+    """Positive control: vLLM's defaults are the policy; the returned logprobs are the trainer's bits."""
+    from vllm import SamplingParams
+
+    out = toy_engine.llm.generate([{"prompt_token_ids": GOOD[0]}], SamplingParams(max_tokens=4, detokenize=False,
+                                                                                  logprobs=0), use_tqdm=False)
+    toks = list(out[0].outputs[0].token_ids)
+    rows = trainer_rows(toy_trainer, [GOOD[0] + toks])[0][len(GOOD[0]) - 1:]
+    got = np.array([d[t].logprob for t, d in zip(toks, out[0].outputs[0].logprobs)], dtype=np.float32)
+    assert np.array_equal(got.view(np.uint32), rows[torch.arange(len(toks)), toks].numpy().view(np.uint32))
+
+
+def test_rollout_engine_generate_names_an_unsupported_keyword(toy_engine):
+    from isoexec.engines.requests import RequestRefused
+
+    with pytest.raises(RequestRefused, match=r"does not take top_k=5 \(fixed at 0 \(off\)\)\. Accepted keywords: n, "):
+        toy_engine.generate(GOOD, top_k=5)
+    with pytest.raises(RequestRefused, match=r"does not take colour='red' \(not a setting\)"):
+        toy_engine.generate(GOOD, colour="red")
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("api", ["generate", "prompt_logprobs", "llm.generate"])
+@pytest.mark.parametrize("which", ["-1", "V", "V+44"])
+@pytest.mark.parametrize("engine_name", ["toy_engine", "native_engine"])
+def test_out_of_vocabulary_prompt_ids_are_refused_and_the_engine_stays_usable(request, engine_name, which, api):
+    """id -1 used to be read as id V-1 (isoexec) and id >= V failed inside the forward, after which the
+    in-process engine hung (both modes); now both are refused at admission, whichever API."""
+    from vllm import SamplingParams
+
+    from isoexec.model.inputs import InputError
+
+    e = request.getfixturevalue(engine_name)
+    V = e.vocab_size
+    bad = {"-1": -1, "V": V, "V+44": V + 44}[which]
+    prompts = [GOOD[0], [7, 8, bad, 9]]
+    calls = {
+        "generate": lambda: e.generate(prompts, max_tokens=2),
+        "prompt_logprobs": lambda: e.prompt_logprobs(prompts),
+        "llm.generate": lambda: e.llm.generate([{"prompt_token_ids": p} for p in prompts],
+                                               SamplingParams(max_tokens=2, detokenize=False), use_tqdm=False),
+    }
+    where = "prompt_token_ids" if api == "llm.generate" else "prompt 1"
+    with pytest.raises(InputError, match=rf"^{where}: token id {bad} at position 2 is outside the vocabulary "
+                                         rf"\[0, {V}\) \(V={V}\)$"):
+        calls[api]()
+    _still_usable(e)
+
+
+@pytest.mark.parametrize("args, kw, match", [
+    ([], {}, "prompt_token_ids holds no prompt"), ([GOOD[0], []], {}, "prompt 1 has no tokens"),
+    ([GOOD[0]], {"n": 0}, "n=0"), ([GOOD[0]], {"max_tokens": 0}, "max_tokens=0"),
+])
+def test_rollout_engine_refuses_empty_requests(toy_engine, args, kw, match):
+    from isoexec.model.inputs import InputError
+
+    with pytest.raises(InputError, match=f"^empty input: {match}"):
+        toy_engine.generate(args, **kw)
+
+
+def test_isoexec_model_refuses_an_engine_without_the_per_request_checks(toy_engine):
+    """Any vllm.LLM built on the isoexec architecture must carry the sampling guard and the id-checking
+    renderer, or the model refuses to start (the check runs in the model's constructor)."""
+    from isoexec.contract import ClaimViolation
+    from isoexec.engines.vllm_plugin import check_settings, engine_settings
+
+    s = engine_settings(toy_engine.llm.llm_engine.vllm_config)
+    check_settings(toy_engine.contract, s)  # positive control: the engine as RolloutEngine builds it
+    with pytest.raises(ClaimViolation, match=r"logits_processors=\[\] must include 'isoexec.engines.requests:"):
+        check_settings(toy_engine.contract, dict(s, logits_processors=[]))
+    with pytest.raises(ClaimViolation, match="tokenizer_mode='hf'"):
+        check_settings(toy_engine.contract, dict(s, tokenizer_mode="hf"))
+
+
+# --------------------------------------------------------------------------- weight-sync completeness
+@pytest.mark.parametrize("kind", ["missing_experts", "extra", "shape", "dtype"])
+def test_sync_refuses_a_state_that_is_not_the_engine_parameter_set_before_moving_weights(iso_engine, iso_trainer,
+                                                                                         kind):
+    """The reported case: after an update, 94 of 106 tensors (all model.layers.0.mlp.experts.* left out)
+    used to be applied and accepted, leaving the engine 0.62 nats away from the trainer."""
+    from isoexec.engines.weight_sync import WeightSyncError
+
+    with torch.no_grad():
+        sd = {k: (v * 0.5).to(v.dtype) for k, v in iso_trainer.state_dict().items()}  # an update
+    last = list(sd)[-1]  # the faulty tensor comes last: nothing before it may have moved either
+    if kind == "missing_experts":
+        sd = {k: v for k, v in sd.items() if not k.startswith("model.layers.0.mlp.experts.")}
+        match = r"12 missing: \['model.layers.0.mlp.experts.0.down_proj.weight'"
+    elif kind == "extra":
+        sd["model.layers.9.mlp.gate.weight"] = sd["model.layers.0.mlp.gate.weight"].clone()
+        match = r"1 not in the engine: \['model.layers.9.mlp.gate.weight'\]"
+    elif kind == "shape":
+        sd[last] = sd[last].reshape(-1)
+        match = rf"1 with another shape: \['{last} \[\d+\] != engine"
+    else:
+        sd[last] = sd[last].float()
+        match = rf"1 with another dtype: \['{last} torch.float32 != engine torch.bfloat16'\]"
+    before = iso_engine.checksums()
+    assert len(before) == 106
+    with pytest.raises(WeightSyncError, match="refused before any weight moved: the state must hold the engine's "
+                                              f"106 tensors exactly; {match}"):
+        iso_engine.sync_weights(sd, iso_trainer.contract())
+    assert iso_engine.checksums() == before
+
+
+def test_native_sync_refuses_an_incomplete_state_before_moving_weights(native_engine, ckpt, prompts):
+    from isoexec.engines.weight_sync import WeightSyncError
+    from isoexec.model.hf import read_weights
+
+    sd = {k: v * 2 for k, v in read_weights(ckpt).items() if not k.startswith("model.layers.0.mlp.experts.")}
+    before = native_engine.prompt_logprobs(prompts[:2])
+    with pytest.raises(WeightSyncError, match=r"106 tensors exactly; 12 missing: "):
+        native_engine.sync_weights(sd, None)
+    after = native_engine.prompt_logprobs(prompts[:2])
+    assert all(np.array_equal(a.view(np.uint32), b.view(np.uint32)) for a, b in zip(before, after))
+
+
+# --------------------------------------------------------------------------- tied embeddings
+@pytest.fixture(scope="module")
+def tied_toy_engine(tmp_path_factory):
+    ck = build_checkpoint(tmp_path_factory.mktemp("tied") / "tiny", ModelSection(tie_word_embeddings=True),
+                               vocab_size=256)
+    e = RolloutEngine(ck, "isoexec", ENGINE, model_factory=TOY)
+    yield ck, e
+    e.shutdown()
+
+
+def test_tied_checkpoint_checksums_answer_to_both_names_and_the_native_engine_refuses_it(tied_toy_engine):
+    """Tied checksums(["lm_head.weight"]) used to raise KeyError; the native engine used to start with
+    an uninitialised lm_head (all prompt logprobs NaN)."""
+    from tests.engine_fixtures import ToyUnifiedModel
+
+    ck, e = tied_toy_engine
+    sums = e.checksums(["lm_head.weight", "model.embed_tokens.weight"])
+    assert sums["lm_head.weight"] == sums["model.embed_tokens.weight"]
+    assert "lm_head.weight" not in e.checksums()  # the full set holds each tied tensor once
+    trainer = ToyUnifiedModel.from_pretrained(ck)
+    sd = {k: v.detach() for k, v in trainer.named_parameters()}  # each tied tensor once
+    assert e.sync_weights(sd, trainer.contract()) == state_checksums(sd)
+    with pytest.raises(ValueError, match="tie_word_embeddings=true and no lm_head.weight"):
+        RolloutEngine(ck, "native", ENGINE)  # refused before vLLM starts
 
 
 # --------------------------------------------------------------------------- worker subprocesses

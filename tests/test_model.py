@@ -142,3 +142,60 @@ def test_sequence_cache_refuses_another_kernel_set_or_constants(tiny_sections):
     a.engine_step([cache], [torch.arange(5)])
     with pytest.raises(ValueError, match="fingerprint"):
         b.engine_step([cache], [torch.arange(1)])
+
+
+# --------------------------------------------------------------------------- input boundaries
+@pytest.fixture(scope="module")
+def small_model(tiny_sections):
+    return random_model(tiny_sections[0], tiny_sections[1], vocab_size=96)
+
+
+@pytest.mark.parametrize("bad", [-1, 96, 140])
+def test_trainer_refuses_an_out_of_vocabulary_id_naming_it_its_position_and_v(small_model, bad):
+    """An id of -1 used to be read as id V-1 (``weight[-1]``): the same bits on both sides, no gate sees it."""
+    from isoexec.model.inputs import InputError
+
+    ids = torch.tensor([5, 6, 7, bad, 8])
+    msg = rf"token id {bad} at position 3 is outside the vocabulary \[0, 96\) \(V=96\)"
+    with pytest.raises(InputError, match=msg):
+        small_model.trainer_logprobs(ids, torch.tensor([0, 5]))
+    with pytest.raises(InputError, match=r"token id .* at position \(0, 3\)"):
+        small_model.trainer_logprobs_padded(ids[None], torch.ones(1, 5, dtype=torch.long))
+    with pytest.raises(InputError, match=rf"token id {bad} at position 3 "):
+        small_model.engine_step([small_model.new_cache()], [ids])
+    # positive control: the same batch with a valid id runs
+    assert small_model.trainer_logprobs(ids.clamp(0, 95), torch.tensor([0, 5])).shape == (5, 96)
+
+
+def test_trainer_refuses_non_integer_ids(small_model):
+    from isoexec.model.inputs import InputError
+
+    with pytest.raises(InputError, match="must be integers, got dtype torch.float32"):
+        small_model.trainer_logprobs(torch.tensor([1.0, 2.0]), torch.tensor([0, 2]))
+
+
+@pytest.mark.parametrize("call", [
+    "packed_cu_seqlens_0",        # cu_seqlens=[0]: failed with "cannot reshape tensor of 0 elements"
+    "packed_empty_sequence",      # a zero-length sequence inside cu_seqlens
+    "padded_all_zero_mask_row",   # used to be accepted by the padded API
+    "padded_empty_batch",
+    "engine_step_no_chunk",
+    "engine_step_empty_chunk",
+])
+def test_empty_and_degenerate_inputs_get_one_clear_error(small_model, call):
+    from isoexec.model.inputs import InputError
+
+    m = small_model
+    ids = torch.tensor([1, 2, 3, 4])
+    calls = {
+        "packed_cu_seqlens_0": lambda: m.trainer_logprobs(torch.zeros(0, dtype=torch.long), torch.tensor([0])),
+        "packed_empty_sequence": lambda: m.trainer_logprobs(ids, torch.tensor([0, 2, 2, 4])),
+        "padded_all_zero_mask_row": lambda: m.trainer_logprobs_padded(
+            torch.stack([ids, ids]), torch.tensor([[1, 1, 0, 0], [0, 0, 0, 0]])),
+        "padded_empty_batch": lambda: m.trainer_logprobs_padded(
+            torch.zeros(0, 4, dtype=torch.long), torch.zeros(0, 4, dtype=torch.long)),
+        "engine_step_no_chunk": lambda: m.engine_step([], []),
+        "engine_step_empty_chunk": lambda: m.engine_step([m.new_cache()], [torch.zeros(0, dtype=torch.long)]),
+    }
+    with pytest.raises(InputError, match="^empty input: "):
+        calls[call]()

@@ -76,3 +76,23 @@ def test_master_adamw_clips_the_global_grad_norm():
     opt = MasterAdamW([("w", p)], lr=1.0, max_grad_norm=1.0)
     p.grad = torch.full((4,), 10.0)
     assert opt.step() == pytest.approx(20.0)
+
+
+@pytest.mark.parametrize("which", ["-1", "V", "V+100"])
+def test_native_trainer_refuses_out_of_vocabulary_ids(ckpt, which):
+    from isoexec.model.inputs import InputError
+
+    pol = HFPolicy.from_pretrained(ckpt)
+    V = pol.model.config.vocab_size
+    bad = {"-1": -1, "V": V, "V+100": V + 100}[which]
+    with pytest.raises(InputError, match=rf"token id {bad} at position 2 is outside the vocabulary \[0, {V}\)"):
+        pol.trainer_logprobs(torch.tensor([1, 5, bad]), torch.tensor([0, 3]), grad=False)
+
+
+@pytest.mark.parametrize("ids, cu", [([], [0]), ([1, 2, 3], [0, 2, 2, 3])])
+def test_native_trainer_refuses_empty_inputs(ckpt, ids, cu):
+    from isoexec.model.inputs import InputError
+
+    pol = HFPolicy.from_pretrained(ckpt)
+    with pytest.raises(InputError, match="^empty input: "):
+        pol.trainer_logprobs(torch.tensor(ids, dtype=torch.long), torch.tensor(cu), grad=False)

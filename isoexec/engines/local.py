@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from isoexec.engines.base import Completion
+from isoexec.model.inputs import check_generate_args
 from isoexec.trainer.base import Policy, sync_state
 
 
@@ -39,7 +40,12 @@ class LocalEngine:
         """``n`` samples per prompt, at most ``max_tokens`` each; deterministic in ``seed``.
 
         ``temperature`` must be 0 (greedy) or the policy's temperature (the logprobs already carry it).
+
+        Raises:
+            isoexec.model.inputs.InputError: no prompt, an empty prompt, ``n < 1`` or ``max_tokens < 1``;
+                ids outside the vocabulary are refused by the policy's ``trainer_logprobs``.
         """
+        check_generate_args(prompt_token_ids, n, max_tokens, None)
         pol_t = getattr(self.policy, "temperature", 1.0)
         if temperature != 0 and temperature != pol_t:
             raise ValueError(f"LocalEngine samples at the policy temperature {pol_t}, asked for {temperature}")

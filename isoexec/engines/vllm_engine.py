@@ -36,6 +36,7 @@ import torch
 
 from isoexec.config import EngineSection, KernelSection
 from isoexec.engines.base import Completion
+from isoexec.model.inputs import check_generate_args
 
 from .vllm_plugin import ARCH, DEFAULT_FACTORY, REQUIRED_LOGPROBS_MODE
 from .weight_sync import state_checksums, verify_checksums
@@ -44,6 +45,7 @@ log = logging.getLogger("isoexec.engines")
 
 Mode = Literal["native", "isoexec"]
 EXTENSION = "isoexec.engines.vllm_plugin.IsoExecWorkerExtension"
+_GENERATE_KEYWORDS = ("n", "max_tokens", "seed", "temperature", "full_vocab_every", "ignore_eos")
 
 
 class RolloutEngine:
@@ -65,6 +67,12 @@ class RolloutEngine:
     Raises:
         isoexec.contract.ClaimViolation: isoexec mode, an engine setting the contract does not cover
             (e.g. ``enable_prefix_caching=True``), raised at engine start.
+        ValueError: native mode, a checkpoint vLLM's built-in model would load wrongly (tied
+            embeddings without ``lm_head.weight``).
+
+    Every request is checked at admission, whichever API it comes through (``generate`` or
+    ``self.llm.generate``): prompt token ids against the vocabulary (both modes), sampling settings
+    against the contract (isoexec); see ``isoexec.engines.requests``.
     """
 
     def __init__(
@@ -104,10 +112,13 @@ class RolloutEngine:
         )
         if engine.num_kv_blocks_override is not None:
             kw["num_gpu_blocks_override"] = engine.num_kv_blocks_override
-        if mode == "isoexec":
-            from .vllm_plugin import register
+        from .requests import GUARD, RENDERER_MODE, check_native_checkpoint
+        from .vllm_plugin import register
 
-            register()  # in-process; worker subprocesses get it from the entry point
+        register()  # in-process; worker subprocesses get it from the entry point
+        kw["tokenizer_mode"] = RENDERER_MODE  # prompt token ids range-checked per request (both modes)
+        if mode == "isoexec":
+            kw["logits_processors"] = [GUARD]  # sampling settings checked per request
             kw["logprobs_mode"] = REQUIRED_LOGPROBS_MODE
             kw["hf_overrides"] = {
                 "architectures": [ARCH],
@@ -115,6 +126,7 @@ class RolloutEngine:
                 "isoexec_kernels": self.kernels.model_dump(),
             }
         else:
+            check_native_checkpoint(self.checkpoint)
             kw["logprobs_mode"] = "processed_logprobs"
         self.llm = LLM(**kw)
         self.vocab_size = int(self.llm.llm_engine.model_config.get_vocab_size())
@@ -160,6 +172,7 @@ class RolloutEngine:
         temperature: float = 1.0,
         full_vocab_every: int | None = None,
         ignore_eos: bool = False,
+        **unsupported: Any,
     ) -> list[list[Completion]]:
         """Sample ``n`` responses per prompt, all requests submitted together.
 
@@ -177,7 +190,18 @@ class RolloutEngine:
         Returns:
             Per prompt (in order) its ``n`` :class:`~isoexec.engines.base.Completion` (float32 torch
             logprobs; full rows where requested).
+
+        Raises:
+            isoexec.engines.requests.RequestRefused: any other keyword (e.g. ``top_k``: the engine
+                samples the policy unmodified), named with the value it is fixed at.
+            isoexec.model.inputs.InputError: no prompt, an empty prompt, ``n < 1``, ``max_tokens < 1``,
+                or a token id outside ``[0, V)`` (prompt, position and V named).
+            ValueError: isoexec mode, a temperature other than ``kernels.temperature``.
         """
+        from .requests import refuse_keywords
+
+        refuse_keywords("RolloutEngine.generate", unsupported, _GENERATE_KEYWORDS)
+        check_generate_args(prompt_token_ids, n, max_tokens, self.vocab_size)
         if full_vocab_every is None:
             full_vocab_every = self.full_vocab_every
         self.llm.collective_rpc("isoexec_reseed", args=(int(seed),))
@@ -214,7 +238,11 @@ class RolloutEngine:
         Returns:
             Per sequence: ``[len-1]`` float32 (logprob of token t+1 at row t) or, with
             ``full_vocab``, ``[len-1, V]`` float32 rows.
+
+        Raises:
+            isoexec.model.inputs.InputError: no sequence, an empty one, or an id outside ``[0, V)``.
         """
+        check_generate_args(sequences, 1, 1, self.vocab_size)
         t = float(self.kernels.temperature) if self.mode == "isoexec" else 1.0
         sp = self._sampling_params(1, 1, t, None, self.vocab_size if full_vocab else 0)
         outs = self.llm.generate([{"prompt_token_ids": [int(x) for x in s]} for s in sequences], sp, use_tqdm=False)
@@ -246,7 +274,9 @@ class RolloutEngine:
         Raises:
             isoexec.contract.ContractMismatch: numerical_policy digests differ (isoexec).
             ValueError: isoexec mode without a trainer contract.
-            WeightSyncError: checksums differ after the sync.
+            WeightSyncError: before any weight moves, a state that is not exactly the engine's
+                parameter set (missing, unknown, mis-shaped or mis-typed tensors); after the sync,
+                a checksum of any engine parameter that differs from the trainer's.
         """
         state = {k: v.detach().to("cpu").contiguous() for k, v in state_dict.items()}
         digest = None

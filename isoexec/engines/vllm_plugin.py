@@ -38,9 +38,10 @@ engine runs with ``logprobs_mode="raw_logits"``: the sampler then returns the ro
 (``logits.clone()`` of float32) and prompt logprobs use ``logits.to(float32)`` (a no-op), so both
 the sampled-token logprobs and prompt logprobs are our bits exactly. Sampling uses temperature
 1.0, top_p 1, top_k off, no penalties / processors: ``softmax(logp) == p`` so tokens are drawn from
-the policy. ``vllm_engine.RolloutEngine`` refuses other sampling parameters in isoexec mode. Only
-the rows vLLM reads are computed: the last row of each request's chunk (``last_only``), unless the
-request asked for prompt logprobs; other rows hold NaN.
+the policy. Every request with other sampling settings is refused at admission, whichever API it
+came through (``isoexec.engines.requests``). Only the rows vLLM reads are computed: the last row of
+each request's chunk (``last_only``), unless the request asked for prompt logprobs; other rows hold
+NaN.
 
 **Weights.** ``load_weights`` (vLLM's loader) and :meth:`IsoExecWorkerExtension.isoexec_update_weights`
 (weight sync through ``LLM.collective_rpc`` with ``worker_extension_cls``, vLLM's documented RLHF
@@ -48,9 +49,10 @@ hook; in-process or in worker subprocesses) both copy Hugging Face-named tensors
 model in place, no casts. The state dict travels as safetensors bytes (a dict of tensors does not
 survive vLLM's msgpack RPC to subprocesses). Before applying, the worker compares the trainer's
 ``numerical_policy`` digest with its own contract's and refuses on mismatch (the driver has already
-run the full ``check_handshake``); after applying it drops every per-request cache (the contract's
-claim: weight sync invalidates prefix caches, KV, GDN and conv states) and returns per-tensor
-sha256 checksums.
+run the full ``check_handshake``), and refuses a state that is not exactly the model's tensor set
+(``weight_sync.check_state_covers``); after applying it drops every per-request cache (the
+contract's claim: weight sync invalidates prefix caches, KV, GDN and conv states) and returns the
+sha256 checksums of every model tensor.
 
 **Limits.** The unified model's caches live outside vLLM's KV memory accounting (``slot_budget``
 only counts tokens); vLLM 0.32 in-process engines share process-global distributed state, so only
@@ -60,7 +62,9 @@ are refused; full-vocabulary rows as vLLM ``Logprob`` dicts cost O(V) Python obj
 
 **Engine settings.** At engine start the model checks the engine settings against its contract's
 claims (``isoexec.contract.check_engine_settings``) and refuses, naming the setting, e.g.
-``enable_prefix_caching=True``, or a ``logprobs_mode`` other than ``raw_logits``.
+``enable_prefix_caching=True``, a ``logprobs_mode`` other than ``raw_logits``, or an engine built
+without the per-request checks (``logits_processors`` must include the sampling guard,
+``tokenizer_mode`` must be the isoexec renderer; see ``isoexec.engines.requests``).
 """
 
 from __future__ import annotations
@@ -84,11 +88,15 @@ REQUIRED_LOGPROBS_MODE = "raw_logits"
 
 
 def register() -> None:
-    """``vllm.general_plugins`` entry point: register :data:`ARCH` (lazily, by qualified name)."""
+    """``vllm.general_plugins`` entry point: register :data:`ARCH` and the renderer that range-checks
+    prompt token ids (``isoexec.engines.requests.RENDERER_MODE``), both lazily by qualified name."""
     from vllm import ModelRegistry
+    from vllm.renderers.registry import RENDERER_REGISTRY
 
     if ARCH not in ModelRegistry.get_supported_archs():
         ModelRegistry.register_model(ARCH, "isoexec.engines.vllm_plugin:IsoExecForCausalLM")
+    if "isoexec" not in RENDERER_REGISTRY.renderers:
+        RENDERER_REGISTRY.register("isoexec", "isoexec.engines.requests", "IsoExecRenderer")
 
 
 def resolve(qualname: str) -> Any:
@@ -118,6 +126,10 @@ def engine_settings(vllm_config: Any) -> dict[str, Any]:
         "tensor_parallel_size": int(pc.tensor_parallel_size),
         "pipeline_parallel_size": int(pc.pipeline_parallel_size),
         "data_parallel_size": int(pc.data_parallel_size),
+        "logits_processors": [p if isinstance(p, str) else f"{p.__module__}:{p.__qualname__}"
+                              for p in (mc.logits_processors or [])],
+        "tokenizer_mode": str(mc.tokenizer_mode),
+        "watermarking": getattr(vllm_config, "watermark_config", None) is not None,
     }
 
 
@@ -127,9 +139,13 @@ def check_settings(contract: Any, settings: dict[str, Any]) -> None:
     Raises:
         isoexec.contract.ClaimViolation: a setting contradicts the claims, or is one that the
             row routing here cannot honour (prefix caching, another logprobs_mode, speculative
-            decoding, pipeline / data parallelism); the message names every such setting.
+            decoding, pipeline / data parallelism, a watermark), or the engine lacks the per-request
+            checks of ``isoexec.engines.requests`` (``logits_processors`` without its guard, another
+            ``tokenizer_mode`` than its renderer); the message names every such setting.
     """
     from isoexec.contract import ClaimViolation, Violation, check_engine_settings, check_topology
+
+    from .requests import GUARD, RENDERER_MODE
 
     v = []
     own = {
@@ -138,7 +154,13 @@ def check_settings(contract: Any, settings: dict[str, Any]) -> None:
         "speculative_decoding": False,
         "pipeline_parallel_size": 1,
         "data_parallel_size": 1,
+        "tokenizer_mode": RENDERER_MODE,  # the renderer range-checks every prompt's token ids
+        "watermarking": False,  # a watermark changes which token is sampled
     }
+    if GUARD not in settings.get("logits_processors", []):  # the per-request sampling check
+        v.append(Violation("engine.logits_processors", f"engine setting logits_processors="
+                           f"{settings.get('logits_processors')!r} must include {GUARD!r} (isoexec mode checks "
+                           "every request's sampling settings)"))
     for k, want in own.items():
         if settings.get(k) != want:
             v.append(
@@ -280,38 +302,44 @@ class IsoExecForCausalLM(nn.Module):
         """vLLM's loader: ``UnifiedModel.from_pretrained`` has already loaded the checkpoint (it is
         the authority on what a checkpoint means); the tensors it holds are copied again here
         (same bits), checkpoint tensors it does not hold are skipped and counted in the log."""
-        own = {n for n, _ in self.unified.named_parameters()} | {n for n, _ in self.unified.named_buffers()}
+        own = self.hf_tensors()
         state, skipped = {}, 0
         for k, v in weights:
             if k in own:
                 state[k] = v
             else:
                 skipped += 1
-        self.apply_hf_state(state)
+        self.apply_hf_state(state, require_all=False)
         if skipped:
             log.info("isoexec: %d checkpoint tensors are not held by the unified model", skipped)
         return {n for n, _ in self.named_parameters()}
 
-    def apply_hf_state(self, state: dict[str, torch.Tensor]) -> list[str]:
-        """Copy ``state`` (HF names) into the unified model in place; returns the names applied.
+    def hf_tensors(self, aliases: bool = False) -> dict[str, torch.Tensor]:
+        """The unified model's parameters and buffers by HF name; ``aliases`` adds the second name of
+        a tied tensor (``lm_head.weight`` of a tied checkpoint)."""
+        own = dict(self.unified.named_parameters(remove_duplicate=not aliases))
+        own.update(dict(self.unified.named_buffers(remove_duplicate=not aliases)))
+        return own
+
+    def apply_hf_state(self, state: dict[str, torch.Tensor], require_all: bool = True) -> list[str]:
+        """Copy ``state`` (HF names) into the unified model in place, all or nothing; returns the names.
+
+        Args:
+            require_all: ``state`` must hold every model tensor (False only for vLLM's loader:
+                ``from_pretrained`` has already loaded the whole checkpoint strictly).
 
         Raises:
-            KeyError: a name that the unified model does not have.
-            ValueError: a shape or dtype that differs from the model's tensor.
+            isoexec.engines.weight_sync.WeightSyncError: before any tensor is copied, when ``state``
+                is not exactly the model's tensor set (a missing or unknown name, another shape or
+                dtype: no silent casts).
         """
-        own = dict(self.unified.named_parameters())
-        own.update(dict(self.unified.named_buffers()))
-        unknown = sorted(set(state) - set(own))
-        if unknown:
-            raise KeyError(f"isoexec: weights not in the unified model: {unknown[:10]}")
+        from .weight_sync import check_state_covers, tensor_specs
+
+        own = self.hf_tensors()
+        check_state_covers(state, tensor_specs(own), require_all=require_all)
         with torch.no_grad():
             for k, v in state.items():
-                dst = own[k]
-                if dst.shape != v.shape:
-                    raise ValueError(f"isoexec: {k}: shape {tuple(v.shape)} != model {tuple(dst.shape)}")
-                if dst.dtype != v.dtype:
-                    raise ValueError(f"isoexec: {k}: dtype {v.dtype} != model {dst.dtype} (no silent casts)")
-                dst.copy_(v)
+                own[k].copy_(v)
         return sorted(state)
 
 
@@ -348,18 +376,23 @@ class IsoExecWorkerExtension:
         any dtype, and it crosses vLLM's msgpack RPC to worker subprocesses intact (a dict of
         tensors does not: it arrives as nested lists).
 
-        isoexec: refuses (``ContractMismatch``) before touching any weight when
+        Both modes refuse (``WeightSyncError``) before touching any weight a state that is not exactly
+        the engine's parameter set, with its dtypes and shapes (isoexec: the unified model's tensors;
+        native: the tensors of the checkpoint the engine started from, read from its safetensors
+        headers). isoexec: refuses (``ContractMismatch``) before touching any weight when
         ``trainer_numerical_policy`` differs from this engine's contract; drops all per-request
-        caches after applying. Native: loads through vLLM's own ``load_weights`` (which fuses /
-        renames tensors), so checksums are of the received tensors.
+        caches after applying; returns the checksums of every model tensor, not only of those sent.
+        Native: loads through vLLM's own ``load_weights`` (which fuses / renames tensors), so
+        checksums are of the received tensors (the whole checkpoint set, by the check before).
         """
         from safetensors.torch import load as st_load
 
-        from .weight_sync import state_checksums
+        from .weight_sync import check_state_covers, checkpoint_specs, state_checksums
 
         state = st_load(bytes(payload))
         m = self._isoexec_model()
         if m is None:
+            check_state_covers(state, checkpoint_specs(self.vllm_config.model_config.model))
             self._native_reload(state)
             return {"checksums": state_checksums(state), "dropped_caches": 0, "applied": "vllm.reload_weights"}
         own = m.contract().identities.numerical_policy
@@ -367,9 +400,9 @@ class IsoExecWorkerExtension:
             from isoexec.contract import ContractMismatch
 
             raise ContractMismatch(own, str(trainer_numerical_policy), ["numerical_policy digest differs (checked in the worker)"])
-        names = m.apply_hf_state(state)
+        m.apply_hf_state(state)
         dropped = m.drop_caches()
-        return {"checksums": self.isoexec_checksums(names), "dropped_caches": dropped, "applied": "in_place"}
+        return {"checksums": self.isoexec_checksums(), "dropped_caches": dropped, "applied": "in_place"}
 
     def _native_reload(self, state: dict) -> None:
         """Native mode: vLLM's supported RL update path, ``reload_weights(weights_iterator=...)``.
@@ -387,15 +420,24 @@ class IsoExecWorkerExtension:
                 kernel.fused_experts.process_weights_after_loading(mod)
 
     def isoexec_checksums(self, names: list[str] | None = None) -> dict[str, str]:
-        """Checksums of the isoexec model's tensors (HF names), all or ``names``."""
+        """Checksums of the isoexec model's tensors (HF names): all of them (each tied tensor once), or
+        ``names`` (a tied tensor answers to both of its names).
+
+        Raises:
+            KeyError: a name the model does not have (the message lists a few it has).
+        """
         from .weight_sync import state_checksums
 
         m = self._isoexec_model()
         if m is None:
             raise RuntimeError("isoexec_checksums needs the isoexec model")
-        own = dict(m.unified.named_parameters())
-        own.update(dict(m.unified.named_buffers()))
-        return state_checksums({k: own[k] for k in (names or sorted(own))})
+        if names is None:
+            return state_checksums(dict(sorted(m.hf_tensors().items())))
+        own = m.hf_tensors(aliases=True)
+        unknown = [k for k in names if k not in own]
+        if unknown:
+            raise KeyError(f"isoexec_checksums: {unknown[:5]} not in the model (it has e.g. {sorted(own)[:3]})")
+        return state_checksums({k: own[k] for k in names})
 
     def isoexec_cache_state(self) -> dict[str, Any]:
         """Number of live per-request caches and routing counters (tests, diagnostics)."""

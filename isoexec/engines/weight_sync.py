@@ -1,15 +1,28 @@
-"""Per-tensor checksums for trainer -> engine weight sync.
+"""Trainer -> engine weight sync: completeness before, per-tensor checksums after.
 
-Both sides hash every tensor with :func:`tensor_checksum`; after a sync the engine's checksums for
+Before any weight moves, the state dict must cover the engine's whole parameter set, each tensor
+with the engine's dtype and shape (:func:`check_state_covers`): a partial state would leave the
+engine on a mix of old and new weights while the checksums of the tensors sent still agree. After
+the sync, both sides hash every tensor with :func:`tensor_checksum`, and the engine's checksums of
 every Hugging Face parameter name must equal the trainer's (:func:`verify_checksums`).
 """
 
 from __future__ import annotations
 
 import hashlib
+from pathlib import Path
 from typing import Iterable, Mapping
 
 import torch
+
+TensorSpec = tuple[torch.dtype, tuple[int, ...]]
+"""``(dtype, shape)`` of one tensor."""
+
+_SAFETENSORS_DTYPES = {
+    "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32,
+    "I64": torch.int64, "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32,
+    "F64": torch.float64, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
 
 
 def tensor_checksum(t: torch.Tensor) -> str:
@@ -34,12 +47,70 @@ def state_checksums(named: Mapping[str, torch.Tensor] | Iterable[tuple[str, torc
 
 
 class WeightSyncError(RuntimeError):
-    """Checksums after a sync differ from the trainer's (lists the names)."""
+    """A state dict that does not cover the engine's parameters, or checksums after a sync that differ
+    from the trainer's (the message lists the names)."""
+
+
+def tensor_specs(named: Mapping[str, torch.Tensor]) -> dict[str, TensorSpec]:
+    """``name -> (dtype, shape)`` of every tensor."""
+    return {k: (v.dtype, tuple(v.shape)) for k, v in named.items()}
+
+
+def checkpoint_specs(path: str | Path) -> dict[str, TensorSpec]:
+    """``name -> (dtype, shape)`` of a checkpoint folder's tensors, in the on-disk per-expert names of
+    ``isoexec.model.hf.HF_NAMES``, read from the ``*.safetensors`` headers only.
+
+    Raises:
+        FileNotFoundError: the folder holds no ``.safetensors`` file.
+    """
+    from safetensors import safe_open
+
+    from isoexec.model.hf import HF_NAMES
+
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path}: no .safetensors weights")
+    meta = {}
+    for f in files:
+        with safe_open(str(f), "pt") as h:
+            for k in h.keys():
+                sl = h.get_slice(k)
+                meta[k] = torch.empty(sl.get_shape(), dtype=_SAFETENSORS_DTYPES[sl.get_dtype()], device="meta")
+    return tensor_specs(HF_NAMES.apply(meta))
+
+
+def check_state_covers(state: Mapping[str, torch.Tensor], specs: Mapping[str, TensorSpec], *,
+                       require_all: bool = True) -> None:
+    """Refuse a state dict that is not exactly the engine's parameter set (call before moving any weight).
+
+    Args:
+        state: the tensors to sync, Hugging Face names.
+        specs: the engine's parameters, ``name -> (dtype, shape)`` (:func:`tensor_specs`,
+            :func:`checkpoint_specs`).
+        require_all: an engine name missing from ``state`` is refused (default True).
+
+    Raises:
+        WeightSyncError: listing, with counts, the engine's names the state lacks, names the engine
+            does not have, and tensors whose shape or dtype differs from the engine's (no silent casts).
+    """
+    missing = sorted(set(specs) - set(state)) if require_all else []
+    extra = sorted(set(state) - set(specs))
+    shape = sorted(f"{k} {list(state[k].shape)} != engine {list(specs[k][1])}" for k in set(state) & set(specs)
+                   if tuple(state[k].shape) != specs[k][1])
+    dtype = sorted(f"{k} {state[k].dtype} != engine {specs[k][0]}" for k in set(state) & set(specs)
+                   if state[k].dtype != specs[k][0])
+    problems = [f"{len(names)} {what}: {names[:5]}" for what, names in
+                (("missing", missing), ("not in the engine", extra), ("with another shape", shape),
+                 ("with another dtype", dtype)) if names]
+    if problems:
+        raise WeightSyncError(f"weight sync refused before any weight moved: the state must hold the engine's "
+                              f"{len(specs)} tensors exactly; {'; '.join(problems)}")
 
 
 def verify_checksums(expected: Mapping[str, str], got: Mapping[str, str]) -> None:
-    """Raise :class:`WeightSyncError` unless ``got[name] == expected[name]`` for every name in
-    ``expected`` (names missing from ``got`` count as differing)."""
-    bad = sorted(k for k, v in expected.items() if got.get(k) != v)
+    """Raise :class:`WeightSyncError` unless ``got`` and ``expected`` hold the same names with equal
+    checksums: ``got`` is the engine's checksums of every parameter, so an engine tensor that the
+    trainer did not send counts as differing, and so does a sent name the engine did not report."""
+    bad = sorted(k for k in set(expected) | set(got) if got.get(k) != expected.get(k))
     if bad:
-        raise WeightSyncError(f"{len(bad)} tensors differ after weight sync: {bad[:10]}")
+        raise WeightSyncError(f"{len(bad)} tensors differ after weight sync (or are on one side only): {bad[:10]}")

@@ -17,6 +17,7 @@ from torch import nn
 
 from isoexec.kernels import KernelSet
 from isoexec.model.cache import SequenceCache
+from isoexec.model.inputs import InputError, check_attention_mask, check_cu_seqlens, check_token_ids
 from isoexec.model.layers import Attention, Backbone, Batch, GatedDeltaNet, W
 
 
@@ -90,11 +91,11 @@ class UnifiedModel(nn.Module):
             with the contract's temperature applied.
 
         Raises:
-            ValueError: cu_seqlens not starting at 0, not increasing, or not ending at T.
+            isoexec.model.inputs.InputError: an id outside ``[0, V)``; no sequence or an empty one;
+                cu_seqlens not starting at 0, decreasing, or not ending at T.
         """
-        cu = [int(c) for c in cu_seqlens]
-        if not cu or cu[0] != 0 or cu[-1] != input_ids.numel() or any(b <= a for a, b in zip(cu, cu[1:])):
-            raise ValueError(f"cu_seqlens must rise strictly from 0 to len(input_ids)={input_ids.numel()}, got {cu}")
+        cu = check_cu_seqlens(cu_seqlens, input_ids.numel())
+        check_token_ids(input_ids, self.config.vocab_size)
         rows = [torch.arange(a, b) for a, b in zip(cu, cu[1:])]
         return self._run(input_ids, rows, [0] * len(rows), [None] * len(rows), grad)
 
@@ -105,13 +106,13 @@ class UnifiedModel(nn.Module):
         sequence's real tokens. Returns ``[B, L, V]`` fp32 (pad rows are meaningless).
 
         Raises:
-            ValueError: the mask is not right-padded (ones then zeros) in some row.
+            isoexec.model.inputs.InputError: an id outside ``[0, V)`` (pad positions included: every
+                row is embedded); an empty batch or an all-zero mask row; a mask that is not
+                right-padded (ones then zeros) in some row.
         """
         B, L = input_ids.shape
-        lens = attention_mask.long().sum(-1)
-        expect = torch.arange(L)[None, :] < lens[:, None]
-        if not torch.equal(attention_mask.bool(), expect):
-            raise ValueError("attention_mask must be right-padded: ones then zeros in every row")
+        lens = check_attention_mask(attention_mask)
+        check_token_ids(input_ids, self.config.vocab_size)
         rows = [b * L + torch.arange(int(n)) for b, n in enumerate(lens)]
         out = self._run(input_ids.reshape(-1), rows, [0] * B, [None] * B, grad)
         return out.view(B, L, -1)
@@ -134,8 +135,9 @@ class UnifiedModel(nn.Module):
             token after ``chunks[i][j]``. Bits do not depend on the other sequences or on chunking.
 
         Raises:
-            ValueError: mismatched lengths, an empty chunk, or a cache built under another kernel set
-                or other constants (its ``policy`` fingerprint differs).
+            ValueError: mismatched lengths, or a cache built under another kernel set or other
+                constants (its ``policy`` fingerprint differs).
+            isoexec.model.inputs.InputError: no chunk, an empty chunk, or an id outside ``[0, V)``.
         """
         if len(caches) != len(chunks):
             raise ValueError(f"{len(caches)} caches for {len(chunks)} chunks")
@@ -144,9 +146,10 @@ class UnifiedModel(nn.Module):
         if foreign:
             raise ValueError(f"a sequence cache built under kernel-set fingerprint {foreign[0]} cannot continue under "
                              f"{fp} ({self.kernels.mode}/{self.kernels.arch}): start the sequence again")
-        if any(c.numel() == 0 for c in chunks):
-            raise ValueError("every chunk needs at least one token")
+        if not chunks or any(c.numel() == 0 for c in chunks):
+            raise InputError("empty input: engine_step needs at least one chunk, each of at least one token")
         ids = torch.cat(chunks)
+        check_token_ids(ids, self.config.vocab_size, "chunks (concatenated)")  # one check (one sync) per step
         rows, r0 = [], 0
         for c in chunks:
             rows.append(torch.arange(r0, r0 + c.numel()))

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from isoexec.model.inputs import check_cu_seqlens, check_token_ids
+
 _TORCH_GDN_FORCED = False
 
 
@@ -90,7 +92,13 @@ class HFPolicy:
             ``[T, V]`` float32; row ``t`` is the distribution of the token after ``t`` (the last row of
             each sequence predicts past its end and is unused). Sequences are right-padded into one
             batch; with a causal model the padding after a sequence never reaches its rows.
+
+        Raises:
+            isoexec.model.inputs.InputError: an id outside ``[0, V)``; no sequence or an empty one;
+                cu_seqlens not starting at 0, decreasing, or not ending at T.
         """
+        check_cu_seqlens(cu_seqlens, input_ids.numel())
+        check_token_ids(input_ids, self.model.config.vocab_size)
         padded, lens = unpack(input_ids, cu_seqlens, pad_id=0)
         with torch.set_grad_enabled(grad):
             logits = self.model(input_ids=padded, use_cache=False).logits  # [B, L, V] in the param dtype

