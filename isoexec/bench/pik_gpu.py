@@ -17,8 +17,10 @@ rows) and dtype it writes one CSV row with:
   ``launches_equal``: the one-leaf-per-program launch equals the in-register tree.
 * ``native_tp2_differs`` / ``native_max_abs_diff``: cuBLAS on the shard + NCCL ``all_reduce`` against
   cuBLAS on the full tensors.
-* times (bf16): ``pik_tp2_ms`` vs ``native_tp2_ms`` (the max over ranks of the per-rank median of CUDA
-  event times, after a barrier) and ``pik_tp1_ms`` vs ``cublas_tp1_ms`` on one GPU.
+* times (bf16): ``pik_tp2_ms`` (reduce-scatter path) and ``pik_allgather_ms`` vs ``native_tp2_ms``
+  (the max over ranks of the per-rank median of CUDA event times, after a barrier, launches included),
+  the same replayed from CUDA graphs (``*_graph_ms``: GPU time, as an engine that captures its decode
+  step sees it), and ``pik_tp1_ms`` vs ``cublas_tp1_ms`` on one GPU.
 """
 
 from __future__ import annotations
@@ -66,6 +68,26 @@ def _time(fn, reps: int = 30, warmup: int = 5) -> float:
     return float(med)
 
 
+def _time_graph(fn, calls: int = 10) -> float:
+    """Per-call milliseconds of ``calls`` calls of ``fn`` replayed from one CUDA graph (NCCL included);
+    NaN when the capture fails."""
+    try:
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            fn()
+        torch.cuda.current_stream().wait_stream(s)
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(calls):
+                fn()
+        return _time(g.replay, reps=10, warmup=2) / calls
+    except Exception as e:  # report, do not fail the table
+        print(f"graph capture failed: {type(e).__name__}: {e}", flush=True)
+        return float("nan")
+
+
 def run(configs: list[str], out: str) -> list[dict]:
     from isoexec.config import load_config
     from isoexec.io import write_csv
@@ -90,6 +112,7 @@ def run(configs: list[str], out: str) -> list[dict]:
             r = {"shape": name, "M": M, "K": K, "N": N, "dtype": str(dtype).replace("torch.", ""), "tp": tp, "leaves": G}
             pik = pik_row_parallel_linear(xs, ws, tc, G)
             r["tp2_equal_tp1"] = bool(torch.equal(pik, full))
+            r["allgather_equal_tp1"] = bool(torch.equal(pik_row_parallel_linear(xs, ws, tc, G, method="all_gather"), full))
             sp = pik_row_parallel_linear(xs, ws, tc, G, sequence_parallel=True)
             r["sp_equal_tp1"] = bool(torch.equal(sp, full[rank * (M // tp):(rank + 1) * (M // tp)]))
             for v in (4, 8):
@@ -104,12 +127,13 @@ def run(configs: list[str], out: str) -> list[dict]:
             nat2 = native_row_parallel_linear(xs, ws)
             r["native_tp2_differs"] = not bool(torch.equal(nat1, nat2))
             r["native_max_abs_diff"] = float((nat1.float() - nat2.float()).abs().max())
-            ok = torch.tensor([int(all(r[k] for k in ("tp2_equal_tp1", "sp_equal_tp1", "tp4_equal_tp1", "tp8_equal_tp1",
-                                                      "launches_equal")))], device="cuda")
+            ok = torch.tensor([int(all(r[k] for k in ("tp2_equal_tp1", "allgather_equal_tp1", "sp_equal_tp1", "tp4_equal_tp1",
+                                                      "tp8_equal_tp1", "launches_equal")))], device="cuda")
             dist.all_reduce(ok, op=dist.ReduceOp.MIN)
             r["all_ranks_equal"] = bool(ok.item())
             if dtype == torch.bfloat16:
                 r["pik_tp2_ms"] = _time(lambda: pik_row_parallel_linear(xs, ws, tc, G))
+                r["pik_allgather_ms"] = _time(lambda: pik_row_parallel_linear(xs, ws, tc, G, method="all_gather"))
                 r["native_tp2_ms"] = _time(lambda: native_row_parallel_linear(xs, ws))
                 r["pik_over_native_tp2"] = r["pik_tp2_ms"] / r["native_tp2_ms"]
                 r["pik_sp_ms"] = _time(lambda: pik_row_parallel_linear(xs, ws, tc, G, sequence_parallel=True))
@@ -124,7 +148,30 @@ def run(configs: list[str], out: str) -> list[dict]:
                 print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}, flush=True)
             rows.append(r)
     if rank == 0:
+        import json
+
+        from isoexec.io import atomic_write_text
+        from isoexec.provenance import provenance
+
         write_csv(out, rows)
+        atomic_write_text(str(out).removesuffix(".csv") + ".provenance.json", json.dumps(
+            {"provenance": provenance(), "configs": configs, "world_size": tp, "device_name": torch.cuda.get_device_name(0),
+             "leaves": G, "kernels_triton": tc.model_dump(mode="json")}, indent=2, sort_keys=True, default=str) + "\n")
+    # CUDA-graph replays last: a failed capture can poison the CUDA context, the table above is written
+    for r in rows:
+        if r["dtype"] != "bfloat16":
+            continue
+        gen = torch.Generator(device="cuda").manual_seed(zlib.crc32(f"{r['shape']}{r['M']}".encode()))
+        x = torch.randn(r["M"], r["K"], device="cuda", dtype=torch.bfloat16, generator=gen)
+        w = torch.randn(r["N"], r["K"], device="cuda", dtype=torch.bfloat16, generator=gen) * r["K"] ** -0.5
+        s = r["K"] // tp
+        xs, ws = x[:, rank * s:(rank + 1) * s].contiguous(), w[:, rank * s:(rank + 1) * s].contiguous()
+        r["pik_tp2_graph_ms"] = _time_graph(lambda: pik_row_parallel_linear(xs, ws, tc, G))
+        r["native_tp2_graph_ms"] = _time_graph(lambda: native_row_parallel_linear(xs, ws))
+        r["pik_over_native_tp2_graph"] = r["pik_tp2_graph_ms"] / r["native_tp2_graph_ms"]
+        if rank == 0:
+            print(r["shape"], r["M"], "graph", round(r["pik_tp2_graph_ms"], 4), round(r["native_tp2_graph_ms"], 4), flush=True)
+            write_csv(out, rows)
     dist.barrier()
     dist.destroy_process_group()
     return rows

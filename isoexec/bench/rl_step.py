@@ -14,7 +14,8 @@ over the same sequences in micro-batches of ``G`` sequences and one :class:`~iso
 step; ``time/step`` — the sum. Engine and trainer are the same in-process model, so there is no weight
 sync. Both kernel sets start from the same random weights (random init on the GPU, seed 0) and the same
 prompts and sampling seeds; the sets run one after the other (one model and optimizer in memory at a
-time), each with one warm-up step (compilation) that is left out, then ``--steps`` timed steps.
+time), each with one warm-up step of the same shapes (compilation, fla's autotuning) that is left out,
+then ``--steps`` timed steps.
 The CSV has one row per (kernel set, step) and a ``median`` row per set, plus the ratios isoexec/native.
 """
 
@@ -126,7 +127,7 @@ def rl_step(model, opt, prompts: list[torch.Tensor], group: int, new_tokens: int
             "tokens_generated": B * new_tokens, "tokens_trained": sum(s.numel() for s in seqs)}
 
 
-def run(config: str, out: str, steps: int = 2, prompt_len: int = 128, warmup_tokens: int = 8,
+def run(config: str, out: str, steps: int = 2, prompt_len: int = 128,
         sets: tuple[str, ...] = ("isoexec", "native"), new_tokens: int | None = None, log=print) -> list[dict]:
     """Both kernel sets, one after the other; writes the CSV and returns its rows. ``new_tokens``
     overrides ``rl.max_new_tokens`` (a shorter smoke run)."""
@@ -147,7 +148,7 @@ def run(config: str, out: str, steps: int = 2, prompt_len: int = 128, warmup_tok
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
-        rl_step(model, opt, prompts[:1], 2, warmup_tokens, seed=1000)  # compile every kernel once
+        rl_step(model, opt, prompts, rl.group_size, rl.max_new_tokens, seed=1000)  # compile and autotune at these shapes
         log(f"{ks}: warm-up step {time.perf_counter() - t0:.1f} s")
         for s in range(steps):
             r = rl_step(model, opt, prompts, rl.group_size, rl.max_new_tokens, seed=s)
@@ -176,6 +177,13 @@ def run(config: str, out: str, steps: int = 2, prompt_len: int = 128, warmup_tok
     for r in rows:
         r["setup"] = note
     write_csv(out, rows)
+    from isoexec.io import atomic_write_text
+    from isoexec.provenance import provenance
+
+    atomic_write_text(str(out).removesuffix(".csv") + ".provenance.json", json.dumps(
+        {"provenance": provenance(), "config": config, "steps": steps, "prompt_len": prompt_len,
+         "device_name": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+         "kernels": cfg.kernels.model_dump(mode="json")}, indent=2, sort_keys=True, default=str) + "\n")
     return rows
 
 

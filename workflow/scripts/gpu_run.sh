@@ -2,11 +2,12 @@
 # The one script the GPU node runs: carried wheels -> GPU tests, gates, benchmarks, pik over NCCL.
 # Usage (repo root, CUDA machine): OUT=/some/dir bash workflow/scripts/gpu_run.sh [STAGE]...
 # Stages: test gates variants profile kernels cpr model rlstep pik; "all" = test gates kernels cpr profile
-# rlstep pik. Timed stages (variants profile kernels cpr model rlstep) run one after another on GPU 0; the
-# correctness stages (test gates) run on GPU 1 at the same time when there are two GPUs (else after them
-# on GPU 0); pik runs last, one process per GPU (torchrun, NCCL), when there are at least two GPUs.
-# Writes $OUT/h200/{gates.csv,contract.json,kernel_bench.csv,cpr_layer.csv,cpr_breakdown.csv,variants.csv,
-# model_throughput.csv,rl_step.csv,provenance.json,tests.log}, $OUT/h200x2/pik.csv and $OUT/log.txt; copy them
+# rlstep pik. pik runs first, one process per GPU (torchrun, NCCL), when there are at least two GPUs; then
+# the timed stages (variants profile kernels cpr model rlstep) run one after another on GPU 0 while the
+# correctness stages (test gates) run on GPU 1 (with one GPU: after the timed stages, on GPU 0).
+# Writes $OUT/h200/{kernel_bench.csv,cpr_layer.csv,cpr_breakdown.csv,variants_*.csv,
+# model_throughput.csv,rl_step.csv,provenance.json,tests.log,gates/{gates.csv,contract.json}}, $OUT/h200x2/pik.csv
+# and $OUT/log.txt; copy them
 # to results/h200/ and results/h200x2/ to commit. Each stage has a time limit (T_<STAGE> seconds).
 set -o pipefail
 WHAT=" ${*:-all} "
@@ -57,6 +58,11 @@ check_stages() {
 {
   date -u; nvidia-smi --query-gpu=index,name,driver_version,clocks.sm,clocks.mem,memory.used --format=csv
   python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+  if has pik && [ "$NGPU" -ge 2 ]; then
+    timeout "${T_PIK:-240}" python3 -m torch.distributed.run --standalone --nproc_per_node "$NGPU" -m isoexec.bench.pik_gpu \
+      --config "$CONFIG" --extra-config "$RLCONFIG" --out "$OUT/h200x2/pik.csv"
+    echo "pik exit: $?"
+  fi
   if [ "$NGPU" -ge 2 ]; then
     check_stages 1 &
     CHECKS=$!
@@ -65,11 +71,6 @@ check_stages() {
   else
     timed_stages
     check_stages 0
-  fi
-  if has pik && [ "$NGPU" -ge 2 ]; then
-    timeout "${T_PIK:-240}" torchrun --standalone --nproc_per_node "$NGPU" -m isoexec.bench.pik_gpu --config "$CONFIG" \
-      --extra-config "$RLCONFIG" --out "$OUT/h200x2/pik.csv"
-    echo "pik exit: $?"
   fi
   date -u
 } 2>&1 | tee "$OUT/log.txt"

@@ -136,32 +136,31 @@ def _leaf_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, stride_xm, stride_wn, stride_ym
     cols64 = cols.to(tl.int64)
     KPL: tl.constexpr = (LEAF_K + BK - 1) // BK  # K steps per leaf
     k_base = sub * (LPP * LEAF_K)
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
     s0 = tl.zeros((BM, BN), dtype=tl.float32)
     s1 = tl.zeros((BM, BN), dtype=tl.float32)
     s2 = tl.zeros((BM, BN), dtype=tl.float32)
-    for it in range(0, LPP * KPL):
-        j = it // KPL  # leaf within the subtree
-        kl = (it % KPL) * BK + tl.arange(0, BK)  # K offset within the leaf
-        ks = k_base + j * LEAF_K + kl
-        kmask = kl < LEAF_K
-        a = tl.load(x_ptr + rows64[:, None] * stride_xm + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-        b = tl.load(w_ptr + cols64[None, :] * stride_wn + ks[:, None], mask=kmask[:, None] & cmask[None, :], other=0.0)
-        acc = tl.dot(a, b, acc, input_precision=PREC)
-        if it % KPL == KPL - 1:  # leaf j complete: climb the tree while j's bit at that level is 1
-            if j % 2 == 0:
-                s0 = acc
+    for j in tl.static_range(LPP):  # leaves unrolled: each leaf is one plain (pipelined) K loop
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for it in range(0, KPL):
+            kl = it * BK + tl.arange(0, BK)  # K offset within the leaf
+            ks = k_base + j * LEAF_K + kl
+            kmask = kl < LEAF_K
+            a = tl.load(x_ptr + rows64[:, None] * stride_xm + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+            b = tl.load(w_ptr + cols64[None, :] * stride_wn + ks[:, None], mask=kmask[:, None] & cmask[None, :], other=0.0)
+            acc = tl.dot(a, b, acc, input_precision=PREC)
+        # leaf j complete: climb the tree while j's bit at that level is 1 (j is a compile-time constant)
+        if j % 2 == 0:
+            s0 = acc
+        else:
+            n1 = s0 + acc
+            if (j // 2) % 2 == 0:
+                s1 = n1
             else:
-                n1 = s0 + acc
-                if (j // 2) % 2 == 0:
-                    s1 = n1
+                n2 = s1 + n1
+                if (j // 4) % 2 == 0:
+                    s2 = n2
                 else:
-                    n2 = s1 + n1
-                    if (j // 4) % 2 == 0:
-                        s2 = n2
-                    else:
-                        s0 = s2 + n2  # the root of 8 leaves (s0 is free again)
-            acc = tl.zeros((BM, BN), dtype=tl.float32)
+                    s0 = s2 + n2  # the root of 8 leaves (s0 is free again)
     if LPP == 2:
         res = s1
     elif LPP == 4:
