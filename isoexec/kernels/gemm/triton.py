@@ -102,9 +102,14 @@ def _gemm_tma_kernel(x_desc, w_desc, y_ptr, M, N, K, stride_ym,
                  mask=(rows < M)[:, None] & (cols < N)[None, :])
 
 
-@triton.jit(do_not_specialize=["M", "n_tiles"])
+# ``kpl`` (K steps per leaf) is a run-time loop bound on purpose: with a compile-time bound of 1 the leaf
+# loop folds away, its dot starts from a literal zero, and Triton's dot-combine pattern folds the next tree
+# addition into that dot's accumulator (``dot(a, b, 0) + s -> dot(a, b, s)``), which changes the bits of the
+# in-register tree against the one-leaf-per-program launch (seen on the H200 for leaves of one 64-wide K
+# step; the sm90 TTGIR then has 3 instead of 7 tile additions for 8 leaves).
+@triton.jit(do_not_specialize=["M", "n_tiles", "kpl"])
 def _leaf_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, stride_xm, stride_wn, stride_ym, stride_we, stride_ys,
-                      tile_e_ptr, tile_r0_ptr, tile_r1_ptr, n_tiles,
+                      tile_e_ptr, tile_r0_ptr, tile_r1_ptr, n_tiles, kpl,
                       LEAF_K: tl.constexpr, LPP: tl.constexpr, GROUPED: tl.constexpr, BM: tl.constexpr,
                       BN: tl.constexpr, BK: tl.constexpr, GM: tl.constexpr, PREC: tl.constexpr):
     # program (tile, s): output tile ``tile`` summed over the subtree s of LPP leaves (K offset s*LPP*LEAF_K)
@@ -134,14 +139,13 @@ def _leaf_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, stride_xm, stride_wn, stride_ym
     cmask = cols < N
     rows64 = rows.to(tl.int64)
     cols64 = cols.to(tl.int64)
-    KPL: tl.constexpr = (LEAF_K + BK - 1) // BK  # K steps per leaf
     k_base = sub * (LPP * LEAF_K)
     s0 = tl.zeros((BM, BN), dtype=tl.float32)
     s1 = tl.zeros((BM, BN), dtype=tl.float32)
     s2 = tl.zeros((BM, BN), dtype=tl.float32)
     for j in tl.static_range(LPP):  # leaves unrolled: each leaf is one plain (pipelined) K loop
         acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for it in range(0, KPL):
+        for it in range(0, kpl):  # kpl = cdiv(LEAF_K, BK)
             kl = it * BK + tl.arange(0, BK)  # K offset within the leaf
             ks = k_base + j * LEAF_K + kl
             kmask = kl < LEAF_K
@@ -366,7 +370,7 @@ def _launch_leaves(x, w, y, counts, cfg, leaf_k: int, lpp: int, n_sub: int):
     stride_ys = R * N
     if counts is None:
         grid = (triton.cdiv(R, BM) * triton.cdiv(N, BN), n_sub)
-        _leaf_gemm_kernel[grid](x, w, y, R, N, x.stride(0), w.stride(0), N, 0, stride_ys, x, x, x, 0,
+        _leaf_gemm_kernel[grid](x, w, y, R, N, x.stride(0), w.stride(0), N, 0, stride_ys, x, x, x, 0, triton.cdiv(leaf_k, BK),
                                 LEAF_K=leaf_k, LPP=lpp, GROUPED=False, BM=BM, BN=BN, BK=BK, GM=cfg.gemm_group_m,
                                 PREC=DOT_PRECISION, num_warps=nw, num_stages=ns)
         return
@@ -375,7 +379,7 @@ def _launch_leaves(x, w, y, counts, cfg, leaf_k: int, lpp: int, n_sub: int):
         return
     grid = (n_t * triton.cdiv(N, BN), n_sub)
     _leaf_gemm_kernel[grid](x, w, y, R, N, x.stride(0), w.stride(1), N, w.stride(0), stride_ys, meta[0], meta[1], meta[2],
-                            n_t, LEAF_K=leaf_k, LPP=lpp, GROUPED=True, BM=BM, BN=BN, BK=BK, GM=cfg.gemm_group_m,
+                            n_t, triton.cdiv(leaf_k, BK), LEAF_K=leaf_k, LPP=lpp, GROUPED=True, BM=BM, BN=BN, BK=BK, GM=cfg.gemm_group_m,
                             PREC=DOT_PRECISION, num_warps=nw, num_stages=ns)
 
 
