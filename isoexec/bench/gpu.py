@@ -6,8 +6,12 @@
 * ``gates.csv`` / ``contract.json``: the bitwise gate matrix of :mod:`isoexec.model.gates` run with
   the model on the GPU, isoexec (Triton) and native (cuBLAS / SDPA / fla) kernel sets.
 * ``kernel_bench.csv``: each Triton kernel against its native counterpart at the model's shapes (median
-  of ``triton.testing.do_bench``), with the achieved fraction of the bf16 GEMM and copy ceilings
-  measured in the same run.
+  of ``triton.testing.do_bench``; decode-sized GEMMs from CUDA-graph replays over distinct weights), with
+  the achieved fraction of the bf16 GEMM and copy ceilings measured in the same run; ``--extra-config``
+  adds the GEMM and attention rows of another experiment's shapes.
+* ``variants_<parts>.csv``: candidate launch constants (GEMM programs and tiles, leaf GEMM tiles and
+  launches, attention tiles, CPR launches) measured side by side, each with its bitwise check.
+* ``cpr_breakdown.csv``: CPR kernel time by kernel (torch.profiler).
 * ``cpr_layer.csv``: the CPR Gated DeltaNet per-layer table (trainer 1x10240, prefill 5x2048, decode
   256 x 1) for native mixed, chunkwise everywhere, recurrent everywhere and CPR.
 * ``model_throughput.csv``: the unified model, isoexec vs native kernel sets, and the transformers
