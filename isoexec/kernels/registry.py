@@ -31,6 +31,8 @@ from isoexec.contract import REGIONS
 
 GEMM_REGIONS = ("attn.qkv_proj", "attn.out_proj", "gdn.in_proj", "gdn.out_proj")
 """Projection GEMMs that share one implementation (``lm_head`` and the MoE GEMMs have their own entries)."""
+ROW_PARALLEL_REGIONS = ("attn.out_proj", "gdn.out_proj")
+"""Projections whose K is sharded under TP (Megatron's ``RowParallelLinear``): pik leaf GEMMs on CUDA."""
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -231,7 +233,8 @@ def _native(k, device: str) -> list[Impl]:
         impl("gdn.core", gdn_id, gdn_core),
         impl("gdn.norm", "native.torch.gdn.norm", norm.native_gated_rms_norm),
         impl("moe.router", "native.torch.moe.router", moe.native_router),
-        impl("moe.experts", "native.torch.moe.experts", moe.native_experts),
+        impl("moe.experts", "native.torch.moe.experts" if device == "cpu" else "native.cublas.grouped_mm_experts",
+             moe.native_experts if device == "cpu" else moe.native_experts_grouped),
         impl("moe.combine", "native.torch.moe.combine", moe.native_combine),
         impl("mlp.shared_expert", "native.torch.mlp.shared_expert", moe.native_shared_expert),
         impl("lm_head", proj("lm_head"), partial(native_linear, out_dtype=torch.float32)),
@@ -262,25 +265,32 @@ def _isoexec_sm90(k) -> list[Impl]:
             lambda *x: chunk_reference(lengths, k.chunk_size, *x), q, k_, v, g, beta)
         return o, [None] * len(lengths)
 
-    V, A = "1", "sm90"
+    V, A = "2", "sm90"
     acc = {"acc_dtype": "float32"}
     gemm_c = lambda dt: {"boundary_dtype": _dtype_name(dt), **gemm.constants(t, dt)}  # noqa: E731
+    leaf_c = lambda dt: {"boundary_dtype": _dtype_name(dt), **gemm.leaf_constants(t, dt, k.leaves)}  # noqa: E731
+    mlp_c = lambda dt: {**gemm_c(dt), **{f"down_{n}": v for n, v in gemm.leaf_constants(t, dt, k.leaves).items()}}  # noqa: E731
     row = {"reduction": "tl.sum_fixed_tile", "acc_dtype": "float32", "tile": "function_of_D_only"}
     ew = {"impl": "torch_elementwise_cuda", "math_dtype": "float32"}
     gemm_proof = "tests/test_kernels_triton.py"
+    pik_proof = "tests/test_kernels_triton.py::test_leaf_gemm_bitwise_across_tp_subtrees_and_launches"
     return [
         Impl("embed", "isoexec.torch.embedding_gather", V, A, {"impl": "torch_elementwise_cuda"},
              "gates:trainer_vs_engine", lambda table, ids: table[ids], lambda dt: {"dtype": _dtype_name(dt)}),
         Impl("norm.rms", "isoexec.triton.rms_norm", V, A, {**row, "scale": "one_plus_w"}, "gates:batch_composition",
              norm.rms_norm_autograd),
         *[Impl(r, "isoexec.triton.gemm", V, A, acc, gemm_proof, partial(gemm.linear_autograd, cfg=t), gemm_c)
-          for r in GEMM_REGIONS],
+          for r in GEMM_REGIONS if r not in ROW_PARALLEL_REGIONS],
+        *[Impl(r, "isoexec.triton.pik_leaf_gemm", V, A, acc, pik_proof,
+               partial(gemm.linear_leaves_autograd, cfg=t, leaves=k.leaves), leaf_c) for r in ROW_PARALLEL_REGIONS],
         Impl("attn.rope", "isoexec.torch.rope_elementwise", V, A, ew, "gates:trainer_vs_engine", rope.apply_rope,
              lambda dt: {"table_dtype": _dtype_name(dt)}),
         Impl("attn.core", "isoexec.triton.blockwise_online_softmax", V, A,
-             {"kv_block": k.kv_block, "tile_m": t.attn_block_m, "acc_dtype": "float32", "block_order": "ascending",
+             {"kv_block": k.kv_block, "tile_m": t.attn_block_m, "num_warps": t.attn_num_warps, "acc_dtype": "float32",
+              "block_order": "ascending", "softmax": "exp2_scale_after_max", "fp_contraction": False,
               "split_kv": 1}, "gates:prefill_split",
-             partial(attn.attention_autograd, kv_block=k.kv_block, block_m=t.attn_block_m),
+             partial(attn.attention_autograd, kv_block=k.kv_block, block_m=t.attn_block_m, num_warps=t.attn_num_warps,
+                     num_stages=t.attn_num_stages),
              lambda dt: {"p_dtype": _dtype_name(dt)}),
         Impl("attn.gate", "isoexec.torch.sigmoid_gate", V, A, ew, "gates:trainer_vs_engine", attn_cpu.iso_sigmoid_gate),
         Impl("gdn.conv1d", "isoexec.triton.causal_conv1d", V, A,
@@ -295,12 +305,12 @@ def _isoexec_sm90(k) -> list[Impl]:
              norm.gated_rms_norm_autograd),
         Impl("moe.router", "isoexec.triton.gemm+torch_softmax_tree_stable_sort", V, A, {**acc, "ties": "lower_id"},
              "gates:batch_composition", partial(moe.router, cfg=t), gemm_c),
-        Impl("moe.experts", "isoexec.triton.grouped_gemm_swiglu", V, A, acc, "gates:batch_composition",
-             partial(moe.experts, cfg=t), gemm_c),
+        Impl("moe.experts", "isoexec.triton.grouped_gemm_swiglu_leaf_down", V, A, acc, "gates:batch_composition",
+             partial(moe.experts, cfg=t, leaves=k.leaves), mlp_c),
         Impl("moe.combine", "isoexec.torch.routing_order_sum", V, A, {"acc_dtype": "float32", "order": "routing_rank"},
              "gates:batch_composition", moe_cpu.iso_combine),
-        Impl("mlp.shared_expert", "isoexec.triton.gemm_swiglu_sigmoid_gate", V, A, acc, "gates:batch_composition",
-             partial(moe.shared_expert, cfg=t), gemm_c),
+        Impl("mlp.shared_expert", "isoexec.triton.gemm_swiglu_leaf_down_sigmoid_gate", V, A, acc,
+             "gates:batch_composition", partial(moe.shared_expert, cfg=t, leaves=k.leaves), mlp_c),
         Impl("lm_head", "isoexec.triton.gemm", V, A, {**acc, "out_dtype": "float32"}, "gates:trainer_vs_engine",
              partial(gemm.linear_autograd, cfg=t, out_dtype=torch.float32), gemm_c),
         Impl("logprob", "isoexec.triton.online_blocked_log_softmax", V, A,
