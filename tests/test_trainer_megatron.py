@@ -58,6 +58,7 @@ def _batch():
 def _worker(rank, world, hf_state):
     """Every case of this world size on one rank: logprobs (trainer_score, trainer_fwd), the HF round
     trip through the gathered state, one optimizer step (loss, grad norm, logprobs after it)."""
+    from isoexec.model.inputs import InputError
     from isoexec.trainer.megatron.launch import init_parallel
     from isoexec.trainer.megatron.trainer import MegatronTrainer
 
@@ -71,6 +72,10 @@ def _worker(rank, world, hf_state):
         back = t.checkpoint_state_dict()
         r = {"score": t.trainer_logprobs(ids, cu, grad=False),
              "round_trip": set(back) == set(hf) and all(torch.equal(back[k], hf[k]) for k in hf)}
+        try:
+            t.trainer_logprobs(torch.tensor([3, VOCAB]), torch.tensor([0, 2]), grad=False)
+        except InputError as e:
+            r["refused"] = str(e)
         lp = t.trainer_logprobs(ids, cu, grad=True)
         r["fwd"] = lp.detach()
         if step:
@@ -199,6 +204,11 @@ def test_converter_round_trips_every_tensor_bitwise(runs, hf_model):
         assert set(back) == set(hf) and all(torch.equal(back[k], hf[k]) for k in hf), tp
     for name, ranks in runs.items():
         assert all(r["round_trip"] for r in ranks), name
+
+
+def test_token_ids_outside_the_vocabulary_are_refused_on_every_rank(runs):
+    for name, ranks in runs.items():
+        assert all(f"token id {VOCAB} at position 1" in r.get("refused", "") for r in ranks), name
 
 
 def test_layouts_that_do_not_divide_the_model_are_refused(hf_model):

@@ -243,10 +243,9 @@ class IsoGatedDeltaNet(GatedDeltaNet):
         dk, dv = self.key_head_dim, self.value_head_dim
         x = qkvzba.transpose(0, 1).reshape(n, -1)  # batch-major rows
         mixed, z, beta_in, alpha = torch.split(x, [2 * hk * dk + hv * dv, hv * dv, hv, hv], dim=-1)
-        w = self.conv1d.weight.squeeze(1)
         prefix = mixed.new_zeros(self.conv_kernel_dim - 1, mixed.shape[1])
-        conv = torch.cat([ks["gdn.conv1d"](mixed[r], w, prefix)[0] for r in seq_rows])
-        mixed = mixed.new_zeros(mixed.shape).index_copy(0, rows, conv)
+        conv, _ = ks["gdn.conv1d"]([mixed[r] for r in seq_rows], self.conv1d.weight.squeeze(1), [prefix] * b)
+        mixed = mixed.new_zeros(mixed.shape).index_copy(0, rows, torch.cat(conv))
         q, k, v = torch.split(mixed, [hk * dk, hk * dk, hv * dv], dim=-1)
         g, beta = ks["gdn.gating"](alpha, beta_in, self.A_log, self.dt_bias)
         r = hv // hk

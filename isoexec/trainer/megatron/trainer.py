@@ -162,11 +162,13 @@ class MegatronTrainer:
             at the policy temperature.
 
         Raises:
-            ValueError: malformed ``cu_seqlens``.
+            isoexec.model.inputs.InputError: an id outside ``[0, V)``, an empty batch or sequence, or
+                malformed ``cu_seqlens`` (the unified model's checks).
         """
-        cu = [int(c) for c in cu_seqlens]
-        if not cu or cu[0] != 0 or cu[-1] != input_ids.numel() or any(b <= a for a, b in zip(cu, cu[1:])):
-            raise ValueError(f"cu_seqlens must rise strictly from 0 to len(input_ids)={input_ids.numel()}, got {cu}")
+        from isoexec.model.inputs import check_cu_seqlens, check_token_ids
+
+        cu = check_cu_seqlens(cu_seqlens, input_ids.numel())
+        check_token_ids(input_ids, self.hf_config.vocab_size)
         lengths = torch.tensor([b - a for a, b in zip(cu, cu[1:])])
         lmax = int(lengths.max())
         if self.layout.sp:
