@@ -1,9 +1,10 @@
 """``isoexec contract show|diff|verify``: inspect, compare and verify saved contract files.
 
-Exit codes: ``show`` 0, or 1 if the file cannot be loaded; ``diff`` 0 if the ``numerical_policy``
-identities are equal (deployment differences are printed but allowed), 1 if they differ, 2 if a file
-cannot be loaded; ``verify`` 0 and ``OK`` with the digests, or 1 naming the identity and the edited
-field(s).
+Exit codes: 2 and one ``error:`` line when a file cannot be loaded (missing, malformed, invalid; the
+top-level CLI prints it). ``show`` 0; ``diff`` 0 if the ``numerical_policy`` identities are equal
+(deployment differences are printed but allowed), 1 if they differ, 2 if a file's content no longer
+matches its identities; ``verify`` 0 and ``OK`` with the digests, or 1 naming the identity and the
+edited field(s).
 """
 
 from __future__ import annotations
@@ -14,21 +15,13 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from .errors import ContractError
+from .errors import ContractTampered
 from .handshake import diff as diff_contracts
 from .handshake import render
 from .schema import ExecutionContract
 from .store import load
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="Inspect, compare and verify execution contracts.")
-
-
-def _load_or_exit(path: Path, code: int) -> ExecutionContract:
-    try:
-        return load(path)
-    except (ContractError, OSError) as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(code) from None
 
 
 def _identities(c: ExecutionContract) -> list[str]:
@@ -43,7 +36,7 @@ def _identities(c: ExecutionContract) -> list[str]:
 @app.command()
 def show(path: Path = typer.Argument(..., help="contract file written by isoexec.contract.save")) -> None:
     """Print a summary: identities, cases, composition (with constants) and claims."""
-    c = _load_or_exit(path, 1)
+    c = load(path)
     con = Console(width=max(Console().width, 160), highlight=False, markup=False)
     con.print(str(path), style="bold")
     for line in _identities(c):
@@ -79,7 +72,7 @@ def diff(
     b: Path = typer.Argument(..., help="second contract file"),
 ) -> None:
     """Print the differences between two contracts; exit 1 if their numerical_policy differs."""
-    ca, cb = _load_or_exit(a, 2), _load_or_exit(b, 2)
+    ca, cb = load(a), load(b)
     lines = diff_contracts(ca, cb)
     pa, pb = ca.identities.numerical_policy, cb.identities.numerical_policy
     for line in lines:
@@ -96,7 +89,13 @@ def diff(
 @app.command()
 def verify(path: Path = typer.Argument(..., help="contract file to verify")) -> None:
     """Re-verify a contract file's identities; exit 1 naming the edited field(s) if they no longer match."""
-    c = _load_or_exit(path, 1)
+    from isoexec.cli import error_line
+
+    try:
+        c = load(path)
+    except ContractTampered as e:
+        typer.echo(error_line(e), err=True)
+        raise typer.Exit(1) from None
     typer.echo(f"OK {path}")
     for line in _identities(c):
         typer.echo("  " + line)

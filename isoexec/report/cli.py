@@ -7,7 +7,8 @@ from typing import Annotated
 
 import typer
 
-app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
+app = typer.Typer(no_args_is_help=True, add_completion=False,
+                  help="Summary tables and figures of an experiment's paired RL runs.")
 
 ExpDir = Annotated[
     Path,
@@ -24,17 +25,13 @@ Seeds = Annotated[
 
 
 def _run(kind: str, exp_dir: Path, modes: list[str] | None, seeds: list[int] | None) -> None:
-    from isoexec.report.data import MetricsError
-
+    """Write the tables or figures; a missing folder or bad metrics (``MetricsError``) propagate to the
+    top-level CLI, which prints one ``error:`` line and exits 2."""
     if kind == "tables":
         from isoexec.report.tables import write_tables as write
     else:
         from isoexec.report.figures import write_figures as write
-    try:
-        paths = write(exp_dir, modes or None, seeds or None)
-    except (MetricsError, FileNotFoundError) as e:
-        typer.secho(f"isoexec report {kind}: {e}", fg="red", err=True)
-        raise typer.Exit(1) from None
+    paths = write(exp_dir, modes or None, seeds or None)
     for p in paths:
         typer.echo(f"wrote {p}")
 
