@@ -102,3 +102,16 @@ def test_show_prints_identities_composition_and_claims(saved):
         "enable_prefix_caching = false",
     ):
         assert s in r.output, s
+
+
+@pytest.mark.parametrize("columns", ["80", "200"])
+def test_show_keeps_every_field_at_any_width(saved, columns):
+    r = runner.invoke(app, ["contract", "show", str(saved)], env={"COLUMNS": columns})
+    assert r.exit_code == 0, r.output
+    c = make()
+    for e in c.composition:
+        assert f"{e.impl} version {e.version} arch {e.arch}" in r.output
+        for k in e.constants:
+            assert f"{k}=" in r.output, k
+    too_wide = [ln for ln in r.output.splitlines() if len(ln) > int(columns) and len(ln.split()) > 2]
+    assert not too_wide  # only a single unbreakable word (a long proof path) may run past the width

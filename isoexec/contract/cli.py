@@ -9,11 +9,11 @@ edited field(s).
 
 from __future__ import annotations
 
+import shutil
+import textwrap
 from pathlib import Path
 
 import typer
-from rich.console import Console
-from rich.table import Table
 
 from .errors import ContractTampered
 from .handshake import diff as diff_contracts
@@ -33,37 +33,46 @@ def _identities(c: ExecutionContract) -> list[str]:
     ]
 
 
+def _wrapped(label: str, text: str, width: int, indent: int = 2) -> list[str]:
+    """``label`` then ``text`` wrapped to ``width`` columns under it (long words are never split)."""
+    head = " " * indent + f"{label:<10} "
+    return textwrap.wrap(text, width, initial_indent=head, subsequent_indent=" " * len(head),
+                         break_long_words=False, break_on_hyphens=False) or [head.rstrip()]
+
+
 @app.command()
 def show(path: Path = typer.Argument(..., help="contract file written by isoexec.contract.save")) -> None:
-    """Print a summary: identities, cases, composition (with constants) and claims."""
+    """Print a summary: identities, cases, composition (with constants) and claims.
+
+    One block per composition entry (region and cases, then impl/version/arch, constants, proof),
+    wrapped to the terminal width (80 columns when piped): nothing is cut at any width.
+    """
     c = load(path)
-    con = Console(width=max(Console().width, 160), highlight=False, markup=False)
-    con.print(str(path), style="bold")
-    for line in _identities(c):
-        con.print("  " + line)
-    con.print(f"cases: {', '.join(sorted(c.cases))}")
-    con.print(f"model: {render(c.model)}")
-
-    t = Table(title="composition", show_lines=True)
-    for col in ("region", "cases", "impl", "version", "arch", "constants", "proof"):
-        t.add_column(col, no_wrap=col != "constants", overflow="fold")
+    width = max(shutil.get_terminal_size((80, 24)).columns, 40)
+    out = [str(path), *("  " + line for line in _identities(c))]
+    out += _wrapped("cases:", ", ".join(sorted(c.cases)), width, 0)
+    out += _wrapped("model:", render(c.model), width, 0)
+    out.append(f"composition ({len(c.composition)} entries)")
     for e in sorted(c.composition, key=lambda e: (e.region, sorted(e.cases))):
-        consts = "\n".join(f"{k}={render(v)}" for k, v in sorted(e.constants.items()))
-        t.add_row(e.region, "\n".join(sorted(e.cases)), e.impl, e.version, e.arch, consts, e.proof)
-    con.print(t)
-
+        out.append(f"  {e.region}")
+        out += _wrapped("cases", ", ".join(sorted(e.cases)), width, 4)
+        out += _wrapped("impl", f"{e.impl} version {e.version} arch {e.arch}", width, 4)
+        out += _wrapped("constants", ", ".join(f"{k}={render(v)}" for k, v in sorted(e.constants.items())) or "-",
+                        width, 4)
+        out += _wrapped("proof", e.proof, width, 4)
     cl = c.claims
-    con.print("claims", style="bold")
+    out.append("claims")
     for dim, tc in sorted(cl.topology.items()):
         what = f"pinned {tc.pinned}" if tc.pinned is not None else f"in {{{', '.join(map(str, sorted(tc.domain)))}}}"
-        con.print(f"  topology {dim}: {what}")
+        out.append(f"  topology {dim}: {what}")
     for ev, states in sorted(cl.state.items()):
-        con.print(f"  state {ev} invalidates: {', '.join(sorted(states))}")
+        out += _wrapped(f"state {ev} invalidates:", ", ".join(sorted(states)), width)
     for k, v in sorted(cl.tolerances.items()):
-        con.print(f"  tolerance {k} <= {render(float(v))}")
+        out.append(f"  tolerance {k} <= {render(float(v))}")
     for k, v in sorted(cl.engine.items()):
-        con.print(f"  engine {k} = {render(v)}")
-    con.print(f"deployment: {render(c.deployment)}")
+        out.append(f"  engine {k} = {render(v)}")
+    out += _wrapped("deployment:", render(c.deployment), width, 0)
+    typer.echo("\n".join(out))
 
 
 @app.command()

@@ -46,3 +46,17 @@ def tables_command(exp_dir: ExpDir, mode: Modes = None, seed: Seeds = None) -> N
 def figures_command(exp_dir: ExpDir, mode: Modes = None, seed: Seeds = None) -> None:
     """Write figures/{logprob_diff,reward,time}.{png,pdf}."""
     _run("figures", exp_dir, mode, seed)
+
+
+@app.command("notebook")
+def notebook_command(
+    exp_dir: ExpDir,
+    notebook: Annotated[Path, typer.Option(help="the analysis notebook to execute")] = Path("notebooks/analysis.ipynb"),
+    out_dir: Annotated[Path, typer.Option(help="folder for the executed .ipynb and .html (default: EXP_DIR/notebooks)")] = None,
+) -> None:
+    """Execute the analysis notebook for an experiment and export it to HTML (stable bytes for the same results)."""
+    from isoexec.report.notebook import run_notebook
+
+    for p in run_notebook(notebook, exp_dir, out_dir or exp_dir / "notebooks"):
+        typer.echo(f"wrote {p}")
+

@@ -37,7 +37,9 @@ def experiment_config_path():
         refuse(
             f"pass one experiment (--config experiment=FILE), got {', '.join(files + ([str(chosen)] if chosen else []))}"
         )
-    path = Path(str(chosen) if chosen is not None else files[0] if files else DEFAULT_CONFIGFILE)
+    path = Path(
+        str(chosen) if chosen is not None else files[0] if files else DEFAULT_CONFIGFILE
+    )
     try:  # keep it relative to the working directory where possible (logs, provenance read better)
         return str(path.resolve().relative_to(Path.cwd().resolve()))
     except ValueError:
@@ -46,7 +48,8 @@ def experiment_config_path():
 
 def validated_config(path):
     """load_config(path): pydantic validation, then the settings record of results/<name>/: a typo, or
-    settings that differ from those the results of this name were made with, stop here before any job."""
+    settings that differ from those the results of this name were made with, stop here before any job.
+    """
     try:
         cfg = load_config(path)
         conflict = settings_conflict(cfg, path)
