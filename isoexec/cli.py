@@ -127,7 +127,6 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
-    help="IsoExec: bitwise-identical logprobs between an RL trainer and its rollout engine.",
 )
 
 
@@ -137,7 +136,7 @@ def _global_options(
 ) -> None:
     """IsoExec: bitwise-identical logprobs between an RL trainer and its rollout engine.
 
-    Errors print one line, `error: ...`, and exit with status 2 (bad input) or 1 (internal error).
+    An error prints one line, error: ..., and exits with status 2 (bad input) or 1 (internal error).
     """
 
 

@@ -81,6 +81,8 @@ def bench_command(
     cfg = load_config(config)
     out = Path(out_dir) if out_dir else Path("runs") / cfg.name / "bench"
     if cfg.device == "cuda":  # Triton kernel set: kernel, CPR and model benchmarks on the GPU
+        if not torch.cuda.is_available():
+            raise ValueError(f"{config}: device: cuda needs a visible CUDA device; torch {torch.__version__} sees none")
         from isoexec.bench.gpu import gpu_bench_command
 
         return gpu_bench_command(config, str(out), "bench")

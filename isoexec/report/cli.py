@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 app = typer.Typer(no_args_is_help=True, add_completion=False,
-                  help="Summary tables and figures of an experiment's paired RL runs.")
+                  help="Summary tables, figures and the analysis notebook of an experiment's paired RL runs.")
 
 ExpDir = Annotated[
     Path,
