@@ -59,7 +59,20 @@ class TritonSection(_Section):
     gemm_float32: tuple[PositiveInt, PositiveInt, PositiveInt, PositiveInt, PositiveInt] = Field(
         (64, 64, 32, 4, 3), description="fp32 GEMM tiles (true fp32 dot, no tf32): BM, BN, BK, num_warps, num_stages")
     gemm_group_m: PositiveInt = Field(8, description="tile-order swizzle (which program computes which tile)")
+    gemm_kernel: Literal["tiled", "persistent_tma"] = Field(
+        "tiled", description="column GEMM program: one program per output tile with pointer loads, or a persistent "
+        "grid over tiles with TMA loads (same tiles, same ascending K order)")
+    pik_gemm_bfloat16: tuple[PositiveInt, PositiveInt, PositiveInt, PositiveInt, PositiveInt] = Field(
+        (128, 64, 64, 8, 3), description="bf16 leaf GEMM (row-parallel regions, pik) tiles: BM, BN, BK, num_warps, num_stages")
+    pik_gemm_float32: tuple[PositiveInt, PositiveInt, PositiveInt, PositiveInt, PositiveInt] = Field(
+        (64, 64, 32, 4, 3), description="fp32 leaf GEMM tiles (true fp32 dot): BM, BN, BK, num_warps, num_stages")
+    pik_split_rows: NonNegativeInt = Field(
+        512, description="leaf GEMM launch: with at most this many rows, each leaf runs in its own program and a "
+        "second kernel adds the leaf partials in the tree order; with more, one program reduces its leaves in "
+        "registers. Same additions in the same order either way (not bit-relevant, so not in the contract)")
     attn_block_m: PositiveInt = Field(64, description="attention query rows per tile")
+    attn_num_warps: PositiveInt = Field(8, description="attention warps per tile (fixes the row reductions' layout)")
+    attn_num_stages: PositiveInt = Field(2, description="attention K/V software-pipelining depth")
     conv_block_t: PositiveInt = Field(16, description="causal conv1d positions per program")
     conv_block_c: PositiveInt = Field(128, description="causal conv1d channels per program")
     gdn_scan_bv: PositiveInt = Field(8, description="CPR scan: Dv columns per program")
@@ -73,7 +86,7 @@ class TritonSection(_Section):
     def _powers_of_two(self) -> "TritonSection":
         bad = [f"kernels.triton.{k}={v}" for k, v in self.model_dump().items()
                if k.endswith(("_bv", "_block_m", "_block_t", "_block_c")) and v & (v - 1)]
-        for name in ("gemm_bfloat16", "gemm_float32"):
+        for name in ("gemm_bfloat16", "gemm_float32", "pik_gemm_bfloat16", "pik_gemm_float32"):
             bm, bn, bk, _, _ = getattr(self, name)
             bad += [f"kernels.triton.{name} tile {t}" for t in (bm, bn, bk) if t < 16 or t & (t - 1)]
         if bad:
@@ -90,6 +103,9 @@ class KernelSection(_Section):
 
     chunk_size: PositiveInt = Field(64, description="CPR Gated DeltaNet chunk size C")
     row_tile: PositiveInt = Field(16, description="CPU: rows per GEMM tile; every GEMM call has this many rows")
+    col_tile: int = Field(16, ge=2, description="CPU: output features per GEMM tile of the column-parallel regions "
+                          "(a tensor-parallel shard then reproduces the full product's columns)")
+    leaves: PositiveInt = Field(8, description="pik leaves over K of the row-parallel GEMMs (out_proj, down_proj); TP must divide it")
     kv_block: PositiveInt = Field(64, description="attention KV block size in absolute positions")
     vocab_block: PositiveInt = Field(256, description="vocabulary block of the logprob reduction")
     temperature: PositiveFloat = Field(1.0, description="policy temperature applied to logits before the softmax")
@@ -99,6 +115,8 @@ class KernelSection(_Section):
     def _checks(self) -> "KernelSection":
         if self.vocab_block & (self.vocab_block - 1):
             raise ValueError(f"kernels.vocab_block={self.vocab_block} must be a power of two")
+        if self.leaves & (self.leaves - 1):
+            raise ValueError(f"kernels.leaves={self.leaves} must be a power of two (fixed binary tree)")
         return self
 
     def check_device(self, device: str) -> None:

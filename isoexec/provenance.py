@@ -50,14 +50,16 @@ def git_info(cwd: str | os.PathLike | None = None) -> dict[str, Any]:
     Returns:
         ``{"commit": sha or None, "dirty": bool or None}``; both ``None`` without git or outside a repo.
         ``dirty`` looks at tracked source files only: the committed outputs under ``results/`` are
-        rewritten by the very runs that record this, so they do not count. Without git, the
-        ``ISOEXEC_SOURCE_REV`` environment variable (if set) names the commit, with ``dirty`` None.
+        rewritten by the very runs that record this, so they do not count. When the
+        ``ISOEXEC_SOURCE_REV`` environment variable is set it names the commit (``dirty`` None): a copy
+        shipped to another machine (a GPU node) may sit without ``.git`` or inside another checkout, whose
+        git would describe the wrong tree.
     """
+    if os.environ.get("ISOEXEC_SOURCE_REV"):
+        # the caller states the commit it shipped
+        return {"commit": os.environ["ISOEXEC_SOURCE_REV"], "dirty": None, "source": "ISOEXEC_SOURCE_REV"}
     where = Path(cwd) if cwd is not None else Path(__file__).resolve().parent
     commit = _git("rev-parse", "HEAD", cwd=where)
-    if commit is None and os.environ.get("ISOEXEC_SOURCE_REV"):
-        # a copy without .git (e.g. a GPU node): the caller states the commit it shipped
-        return {"commit": os.environ["ISOEXEC_SOURCE_REV"], "dirty": None, "source": "ISOEXEC_SOURCE_REV"}
     top = _git("rev-parse", "--show-toplevel", cwd=where) if commit else None
     status = (_git("status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)results", cwd=Path(top))
               if top else None)

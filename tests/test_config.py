@@ -11,7 +11,7 @@ def _write(tmp_path, text):
     return p
 
 
-@pytest.mark.parametrize("name", ["cpu-tiny", "ci-tiny", "h200"])
+@pytest.mark.parametrize("name", ["cpu-tiny", "ci-tiny", "h200", "h200-rlstep"])
 def test_shipped_experiments_load(name):
     assert load_config(f"experiments/{name}.yaml").name == name
 

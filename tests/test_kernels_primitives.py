@@ -50,3 +50,47 @@ def test_elementwise_functions_are_position_invariant_where_torch_is_not():
         assert _tail_mismatches(ours, x) == 0
         assert _tail_mismatches(theirs, x) > 0  # negative control
         assert torch.allclose(ours(x), theirs(x), rtol=1e-6, atol=1e-6)
+
+
+def test_fixed_tile_gemm_column_bits_independent_of_position_and_neighbours():
+    """The premise of ``col_tile``: in one fixed-shape ``[row_tile, K] @ [K, col_tile]`` GEMM, a column's
+    bits depend neither on its position in the tile nor on the other columns. So a tensor-parallel
+    rank's output features, gathered into such tiles in its own (permuted) layout, reproduce the full
+    product's columns (``iso_linear`` on a shard == the shard of ``iso_linear``)."""
+    from isoexec.kernels.gemm.cpu import iso_linear
+
+    g = torch.Generator().manual_seed(0)
+    for k, ct in [(64, 16), (128, 16), (512, 8), (1024, 2)]:
+        x = torch.randn(16, k, generator=g)
+        w = torch.randn(k, ct, generator=g)
+        ref = torch.mm(x, w)
+        for _ in range(4):
+            perm = torch.randperm(ct, generator=g)
+            assert torch.equal(torch.mm(x, w[:, perm].contiguous()), ref[:, perm]), (k, ct)
+            other = torch.randn(k, ct, generator=g)
+            other[:, 0] = w[:, 0]
+            assert torch.equal(torch.mm(x, other)[:, 0], ref[:, 0]), (k, ct)
+    x, w = torch.randn(37, 128, generator=g), torch.randn(200, 128, generator=g)
+    full = iso_linear(x, w, 16, 16, torch.float32)
+    shard = torch.cat([torch.arange(150, 200), torch.arange(3, 40)])  # a permuted, unaligned subset
+    assert torch.equal(iso_linear(x, w[shard], 16, 16, torch.float32), full[:, shard])
+
+
+def test_one_column_gemm_differs_from_its_column_in_a_wider_gemm_negative_control():
+    """Why ``col_tile >= 2``: a one-column GEMM takes another kernel path on this CPU."""
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.randn(16, 256, generator=g), torch.randn(256, 16, generator=g)
+    assert not torch.equal(torch.mm(x, w[:, :1].contiguous()), torch.mm(x, w)[:, :1])
+
+
+def test_tile_mm_gradient_is_the_matmul_gradient():
+    """The forward is per-tile (bitwise); the backward is two plain matmuls: same gradient as ``x @ w``."""
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(37, 24, generator=g, requires_grad=True), torch.randn(24, 40, generator=g, requires_grad=True)
+    gy = torch.randn(37, 40, generator=g)
+    (tile_mm(x, w, 16) * gy).sum().backward()
+    x2, w2 = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    ((x2 @ w2) * gy).sum().backward()
+    assert torch.allclose(x.grad, x2.grad, atol=1e-5) and torch.allclose(w.grad, w2.grad, atol=1e-5)
+    with torch.no_grad():
+        assert torch.equal(tile_mm(x, w, 16), tile_mm(x.detach(), w.detach(), 16))  # same forward bits

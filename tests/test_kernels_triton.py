@@ -45,6 +45,57 @@ def test_gemm_row_bits_independent_of_batch_size_and_position(dtype):
     assert _rel(linear(x, w, CFG).float(), (x.double() @ w.double().T).float()) < (1e-2 if dtype == torch.bfloat16 else 1e-5)
 
 
+@pytest.mark.parametrize("program", ["tiled", "persistent_tma"])
+def test_gemm_programs_row_bits_independent_of_batch_size(program):
+    from isoexec.kernels.gemm.triton import linear
+
+    cfg = CFG.model_copy(update={"gemm_kernel": program})
+    x = torch.randn(700, 1024, device=DEV, dtype=torch.bfloat16)
+    w = torch.randn(2048, 1024, device=DEV, dtype=torch.bfloat16) * 0.03
+    full = linear(x, w, cfg)
+    assert all(torch.equal(linear(x[r], w, cfg)[0], full[r.start]) for r in (slice(3, 4), slice(3, 67), slice(3, 700)))
+    assert _rel(full.float(), (x.double() @ w.double().T).float()) < 1e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("k", [512, 2048])  # bf16 leaves of one 64-wide K step (512) and of four (2048)
+def test_leaf_gemm_bitwise_across_tp_subtrees_and_launches(dtype, k):
+    """pik at TP 1, 2, 4, 8 on one GPU: each rank's leaf subtree from its K shard, the rank partials
+    added by the same tree, equal the TP=1 leaf GEMM; both launches and every batch give the same row."""
+    from isoexec.kernels.gemm.triton import linear_leaves, linear_leaves_partial, tree_combine
+
+    x = torch.randn(333, k, device=DEV, dtype=dtype)
+    w = torch.randn(1024, k, device=DEV, dtype=dtype) * 0.02
+    full = linear_leaves(x, w, CFG, 8, split=False)
+    assert torch.equal(full, linear_leaves(x, w, CFG, 8, split=True))
+    assert torch.equal(linear_leaves(x[200:201], w, CFG, 8)[0], full[200])
+    for tp in (2, 4, 8):
+        s = k // tp
+        parts = torch.stack([linear_leaves_partial(x[:, r * s:(r + 1) * s], w[:, r * s:(r + 1) * s], CFG, 8 // tp)
+                             for r in range(tp)])
+        assert torch.equal(tree_combine(parts, dtype), full)
+    assert _rel(full.float(), (x.double() @ w.double().T).float()) < (1e-2 if dtype == torch.bfloat16 else 1e-5)
+
+
+def test_row_parallel_cublas_sum_of_shards_differs_negative_control():
+    x = torch.randn(4096, 2048, device=DEV, dtype=torch.bfloat16)
+    w = torch.randn(1024, 2048, device=DEV, dtype=torch.bfloat16) * 0.02
+    tp2 = F.linear(x[:, :1024], w[:, :1024]) + F.linear(x[:, 1024:], w[:, 1024:])
+    assert not torch.equal(tp2, F.linear(x, w))
+
+
+def test_grouped_leaf_gemm_rows_batch_and_launch_invariant():
+    from isoexec.kernels.gemm.triton import grouped_linear_leaves, linear_leaves
+
+    x = torch.randn(300, 512, device=DEV, dtype=torch.bfloat16)
+    w = torch.randn(4, 256, 512, device=DEV, dtype=torch.bfloat16) * 0.05
+    counts = [100, 0, 150, 50]
+    y = grouped_linear_leaves(x, w, counts, CFG, 8, split=True)
+    assert torch.equal(y, grouped_linear_leaves(x, w, counts, CFG, 8, split=False))
+    assert torch.equal(y[120], grouped_linear_leaves(x[120:121], w[2:3], [1], CFG, 8)[0])
+    assert _rel(y[100:250].float(), linear_leaves(x[100:250], w[2], CFG, 8).float()) < 1e-2
+
+
 def test_cublas_row_bits_depend_on_batch_size_negative_control():
     x = torch.randn(4096, 4096, device=DEV, dtype=torch.bfloat16)
     w = torch.randn(4096, 4096, device=DEV, dtype=torch.bfloat16)

@@ -30,6 +30,7 @@ from isoexec.kernels.primitives import tile_mm, tree_sum
 
 DEGREES = (1, 2, 4, 8)
 ROW_TILE = 16
+COL_TILE, LEAVES = 16, 8  # the MoE kernels' GEMM constants (KernelSection defaults)
 # Row-parallel cases: (name, N, K, M, dtype, out_dtype). N=16 so that SP slices rows for tp <= 8.
 ROW_CASES = [
     ("fp32_k4096", 16, 4096, 64, torch.float32, torch.float32),
@@ -62,7 +63,7 @@ def _moe_inputs():
 
 def _route(x, router_w, top_k):
     """The unified model's router (same ops as ``moe.router``), giving the routing order."""
-    lf = iso_linear(x, router_w, ROW_TILE).float()
+    lf = iso_linear(x, router_w, ROW_TILE, COL_TILE).float()
     ex = torch.exp(lf - lf.amax(dim=-1, keepdim=True))
     probs = ex / tree_sum(ex, dim=-1, keepdim=True)
     val, idx = torch.sort(probs, dim=-1, descending=True, stable=True)
@@ -71,7 +72,7 @@ def _route(x, router_w, top_k):
 
 
 def _expert_fn(experts):
-    return lambda eid, rows: iso_swiglu(rows, *experts[eid], ROW_TILE)
+    return lambda eid, rows: iso_swiglu(rows, *experts[eid], ROW_TILE, COL_TILE, LEAVES)
 
 
 # ---------------------------------------------------------------------------------------- worker
@@ -182,9 +183,9 @@ def test_pik_expert_parallel_combine_is_routing_order_and_equal_across_ep(runs):
     # The unified model's MoE with a zero shared expert is exactly the routed sum.
     h, i = MOE["h"], MOE["inter"]
     zero_shared = (torch.zeros(i, h), torch.zeros(i, h), torch.zeros(h, i))
-    val_r, idx_r = iso_router(x, router_w, MOE["top_k"], True, ROW_TILE)
-    y = iso_experts(x, idx_r, experts, ROW_TILE)
-    shared = iso_shared_expert(x, zero_shared, torch.zeros(1, h), ROW_TILE)
+    val_r, idx_r = iso_router(x, router_w, MOE["top_k"], True, ROW_TILE, COL_TILE)
+    y = iso_experts(x, idx_r, experts, ROW_TILE, COL_TILE, LEAVES)
+    shared = iso_shared_expert(x, zero_shared, torch.zeros(1, h), ROW_TILE, COL_TILE, LEAVES)
     moe = iso_combine(y, val_r, idx_r, shared, torch.float32)
     assert torch.equal(moe, ref)
     for d in DEGREES:

@@ -6,8 +6,12 @@
 * ``gates.csv`` / ``contract.json``: the bitwise gate matrix of :mod:`isoexec.model.gates` run with
   the model on the GPU, isoexec (Triton) and native (cuBLAS / SDPA / fla) kernel sets.
 * ``kernel_bench.csv``: each Triton kernel against its native counterpart at the model's shapes (median
-  of ``triton.testing.do_bench``), with the achieved fraction of the bf16 GEMM and copy ceilings
-  measured in the same run.
+  of ``triton.testing.do_bench``; decode-sized GEMMs from CUDA-graph replays over distinct weights), with
+  the achieved fraction of the bf16 GEMM and copy ceilings measured in the same run; ``--extra-config``
+  adds the GEMM and attention rows of another experiment's shapes.
+* ``variants_<parts>.csv``: candidate launch constants (GEMM programs and tiles, leaf GEMM tiles and
+  launches, attention tiles, CPR launches) measured side by side, each with its bitwise check.
+* ``cpr_breakdown.csv``: CPR kernel time by kernel (torch.profiler).
 * ``cpr_layer.csv``: the CPR Gated DeltaNet per-layer table (trainer 1x10240, prefill 5x2048, decode
   256 x 1) for native mixed, chunkwise everywhere, recurrent everywhere and CPR.
 * ``model_throughput.csv``: the unified model, isoexec vs native kernel sets, and the transformers
@@ -18,6 +22,7 @@
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import sys
 import time
@@ -32,6 +37,25 @@ def _bench(fn, warmup=25, rep=100) -> float:
     import triton.testing
 
     return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+
+
+def _bench_graph(fns, rounds: int = 2) -> float:
+    """Milliseconds per call of the calls ``fns`` (run in turn, ``rounds`` times) replayed from one CUDA
+    graph: the GPU time of launch-bound calls, as an engine that captures its decode step sees them.
+    Pass several calls on distinct weights so that repeated replays do not run from L2."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for f in fns:
+            f()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(rounds):
+            for f in fns:
+                f()
+    return _bench(g.replay) / (rounds * len(fns))
 
 
 # ------------------------------------------------------------------------------------------ gates
@@ -65,8 +89,9 @@ def ceilings() -> dict:
 
 
 # ------------------------------------------------------------------------------------ kernel table
-def kernel_table(cfg, ceil: dict, log=print) -> list[dict]:
-    """Each Triton kernel vs its native counterpart at the model's shapes (bf16 boundary)."""
+def kernel_table(cfg, ceil: dict, log=print, extra_models=()) -> list[dict]:
+    """Each Triton kernel vs its native counterpart at the model's shapes (bf16 boundary); the GEMMs and
+    attention prefill also at the shapes of ``extra_models`` (experiment configs, their own attention tiles)."""
     import torch.nn.functional as F
 
     from isoexec.kernels import build_kernel_set
@@ -103,25 +128,51 @@ def kernel_table(cfg, ceil: dict, log=print) -> list[dict]:
         log(f"{kernel:28s} {shape:32s} iso {t_iso:8.4f} ms  native {t_nat:8.4f} ms  ratio {t_iso / t_nat:5.2f}")
 
     key_dim, value_dim = m.linear_num_key_heads * m.linear_key_head_dim, m.linear_num_value_heads * m.linear_value_head_dim
-    gemms = [("gdn.in_proj", 2 * key_dim + 2 * value_dim, m.hidden_size), ("gdn.out_proj", m.hidden_size, value_dim),
-             ("attn.qkv_proj(q)", 2 * m.num_attention_heads * m.head_dim, m.hidden_size),
-             ("mlp.shared_expert(up)", m.shared_expert_intermediate_size, m.hidden_size), ("square 8192", 8192, 8192)]
-    for name, n_out, k in gemms:
-        M = 8192 if name == "square 8192" else N
-        x = torch.randn(M, k, device=dev, dtype=bf)
-        w = torch.randn(n_out, k, device=dev, dtype=bf) * 0.02
-        add(f"gemm {name}", f"{M}x{k} @ {k}x{n_out}", lambda: t_gemm.linear(x, w, tc), lambda: F.linear(x, w),
-            flops=2 * M * n_out * k, native="cublas F.linear")
-    for M in (256, 1):
-        x = torch.randn(M, m.hidden_size, device=dev, dtype=bf)
-        w = torch.randn(2 * key_dim + 2 * value_dim, m.hidden_size, device=dev, dtype=bf)
-        add("gemm gdn.in_proj (decode)", f"{M}x{m.hidden_size} @ {m.hidden_size}x{w.shape[0]}", lambda: t_gemm.linear(x, w, tc),
-            lambda: F.linear(x, w), flops=2 * M * w.shape[0] * m.hidden_size, bytes_=w.numel() * 2, native="cublas F.linear")
-    x = torch.randn(4096, m.hidden_size, device=dev, dtype=bf)
-    w = torch.randn(m.vocab_size, m.hidden_size, device=dev, dtype=bf) * 0.02
-    add("gemm lm_head (fp32 out)", f"4096x{m.hidden_size} @ {m.hidden_size}x{m.vocab_size}",
-        lambda: t_gemm.linear(x, w, tc, torch.float32), lambda: F.linear(x, w).float(), flops=2 * 4096 * m.vocab_size * m.hidden_size,
-        native="cublas F.linear + .float()")
+    G = cfg.kernels.leaves
+
+    def graph_row(kernel, M, k, n_out, iso, nat):
+        xw = [(torch.randn(M, k, device=dev, dtype=bf), torch.randn(n_out, k, device=dev, dtype=bf) * 0.02)
+              for _ in range(8)]  # 8 distinct weights: the replays do not run from L2
+        t_iso = _bench_graph([lambda a=a, b=b: iso(a, b) for a, b in xw])
+        t_nat = _bench_graph([lambda a=a, b=b: nat(a, b) for a, b in xw])
+        fl, by = 2 * M * n_out * k, n_out * k * 2
+        rows.append({"kernel": kernel, "shape": f"{M}x{k} @ {k}x{n_out}", "native": "cublas F.linear", "isoexec_ms": t_iso,
+                     "native_ms": t_nat, "time_ratio_isoexec_over_native": t_iso / t_nat, "isoexec_tflops": fl / t_iso / 1e9,
+                     "isoexec_tb_s": by / t_iso / 1e9, "isoexec_frac_copy_ceiling": by / t_iso / 1e9 / bw,
+                     "native_frac_copy_ceiling": by / t_nat / 1e9 / bw,
+                     "note": "decode: CUDA-graph replay of 16 calls over 8 distinct weights (GPU time, no launch overhead)"})
+        log(f"{kernel:40s} M={M}: iso {t_iso:.4f} native {t_nat:.4f} ratio {t_iso / t_nat:.2f}")
+
+    for tag, mm in [("", m), *[(f"[{ec.name}] ", ec.model) for ec in extra_models]]:
+        kd, vd = mm.linear_num_key_heads * mm.linear_key_head_dim, mm.linear_num_value_heads * mm.linear_value_head_dim
+        h = mm.hidden_size
+        col = [("gdn.in_proj", 2 * kd + 2 * vd, h), ("attn.qkv_proj(q+gate)", 2 * mm.num_attention_heads * mm.head_dim, h),
+               ("mlp.shared_expert(up)", mm.shared_expert_intermediate_size, h)]
+        if not tag:
+            col.append(("square 8192", 8192, 8192))
+        for name, n_out, k in col:
+            M = 8192 if name == "square 8192" else N
+            x = torch.randn(M, k, device=dev, dtype=bf)
+            w = torch.randn(n_out, k, device=dev, dtype=bf) * 0.02
+            add(f"{tag}gemm {name}", f"{M}x{k} @ {k}x{n_out}", lambda: t_gemm.linear(x, w, tc), lambda: F.linear(x, w),
+                flops=2 * M * n_out * k, native="cublas F.linear")
+        for M in (256, 1):
+            graph_row(f"{tag}gemm gdn.in_proj (decode)", M, h, 2 * kd + 2 * vd, lambda a, b: t_gemm.linear(a, b, tc), F.linear)
+        # row-parallel regions: pik leaf GEMM (G leaves, TP=1) vs cuBLAS
+        for name, k in (("gdn.out_proj", vd), ("attn.out_proj", mm.num_attention_heads * mm.head_dim),
+                        ("mlp.shared_expert(down)", mm.shared_expert_intermediate_size)):
+            x = torch.randn(N, k, device=dev, dtype=bf)
+            w = torch.randn(h, k, device=dev, dtype=bf) * 0.02
+            add(f"{tag}leaf gemm {name} (G={G})", f"{N}x{k} @ {k}x{h}", lambda: t_gemm.linear_leaves(x, w, tc, G),
+                lambda: F.linear(x, w), flops=2 * N * h * k, native="cublas F.linear")
+        for M in (256, 1):
+            graph_row(f"{tag}leaf gemm gdn.out_proj (decode, G={G})", M, vd, h,
+                      lambda a, b: t_gemm.linear_leaves(a, b, tc, G), F.linear)
+        x = torch.randn(4096, h, device=dev, dtype=bf)
+        w = torch.randn(mm.vocab_size, h, device=dev, dtype=bf) * 0.02
+        add(f"{tag}gemm lm_head (fp32 out)", f"4096x{h} @ {h}x{mm.vocab_size}",
+            lambda: t_gemm.linear(x, w, tc, torch.float32), lambda: F.linear(x, w).float(),
+            flops=2 * 4096 * mm.vocab_size * h, native="cublas F.linear + .float()")
     E, I = m.num_experts, m.moe_intermediate_size
     counts = [N * m.num_experts_per_tok // E] * E
     xs = torch.randn(sum(counts), m.hidden_size, device=dev, dtype=bf)
@@ -163,12 +214,22 @@ def kernel_table(cfg, ceil: dict, log=print) -> list[dict]:
     q = torch.randn(sum(lens), hq, d, device=dev, dtype=bf)
     kv = [(torch.randn(n, hkv, d, device=dev, dtype=bf), torch.randn(n, hkv, d, device=dev, dtype=bf)) for n in lens]
     fl = sum(4 * n * n / 2 * d * hq for n in lens)
-    add("attention prefill", "5x2048 causal, 8q/2kv heads, d128", lambda: t_attn.attention(q, kv, [0] * 5, lens, cfg.kernels.kv_block, tc.attn_block_m),
+    add("attention prefill", f"5x2048 causal, {hq}q/{hkv}kv heads, d{d}",
+        lambda: t_attn.attention(q, kv, [0] * 5, lens, cfg.kernels.kv_block, tc.attn_block_m, tc.attn_num_warps, tc.attn_num_stages),
         lambda: native_attention(q, kv, [0] * 5, lens), flops=fl, native="SDPA per sequence")
+    for ec in extra_models:
+        em, et = ec.model, ec.kernels.triton
+        eq_ = torch.randn(sum(lens), em.num_attention_heads, em.head_dim, device=dev, dtype=bf)
+        ekv = [(torch.randn(n, em.num_key_value_heads, em.head_dim, device=dev, dtype=bf),
+                torch.randn(n, em.num_key_value_heads, em.head_dim, device=dev, dtype=bf)) for n in lens]
+        add(f"[{ec.name}] attention prefill", f"5x2048 causal, {em.num_attention_heads}q/{em.num_key_value_heads}kv heads, d{em.head_dim}",
+            lambda: t_attn.attention(eq_, ekv, [0] * 5, lens, ec.kernels.kv_block, et.attn_block_m, et.attn_num_warps, et.attn_num_stages),
+            lambda: native_attention(eq_, ekv, [0] * 5, lens), native="SDPA per sequence",
+            flops=sum(4 * n * n / 2 * em.head_dim * em.num_attention_heads for n in lens))
     B, L = 256, 2048
     qd = torch.randn(B, hq, d, device=dev, dtype=bf)
     kvd = [(torch.randn(L, hkv, d, device=dev, dtype=bf), torch.randn(L, hkv, d, device=dev, dtype=bf)) for _ in range(B)]
-    add("attention decode", f"{B} seqs x 1 query, cache {L}", lambda: t_attn.attention(qd, kvd, [L - 1] * B, [1] * B, cfg.kernels.kv_block, tc.attn_block_m),
+    add("attention decode", f"{B} seqs x 1 query, cache {L}", lambda: t_attn.attention(qd, kvd, [L - 1] * B, [1] * B, cfg.kernels.kv_block, tc.attn_block_m, tc.attn_num_warps, tc.attn_num_stages),
         lambda: native_attention(qd, kvd, [L - 1] * B, [1] * B), bytes_=B * L * hkv * d * 2 * 2, native="SDPA per sequence",
         note="both include packing the per-sequence caches (list interface)")
     # logprob
@@ -379,64 +440,224 @@ def model_table(cfg, log=print, batch=8, seq_len=1024, decode_seqs=64, decode_st
     return rows
 
 
-# ------------------------------------------------------------------------------------------ tune
-def tune(cfg, log=print) -> tuple[list[dict], dict]:
-    """Pick the deployment's fixed Triton constants once (never per call, never from M): bf16 GEMM
-    tiles and the CPR launch constants, by the median time on the benchmark shapes.
+# ------------------------------------------------------------------------------------ variants
+def variants(cfg, log=print, extra_models=(), parts=("gemm", "leaf", "attention", "cpr", "moe")) -> list[dict]:
+    """Measure candidate launch constants side by side (one row per (what, config, shape)), each with a
+    bitwise check of its invariance: the deployment picks one and pins it in ``kernels.triton``.
 
-    Returns:
-        (rows, chosen ``kernels.triton`` fields): write the fields into the experiment YAML's
-        ``kernels.triton`` section to pin them (the contract records them).
-    """
+    Column GEMM programs and tiles (fraction of cuBLAS throughput; decode rows by CUDA-graph replay),
+    leaf GEMM tiles and the split launch, attention tiles (and ``kv_block``), CPR scan / chain / prep
+    launches, and the native grouped-GEMM MoE against the per-expert loop."""
+    import triton.testing
+
+    dev, bf = "cuda", torch.bfloat16
+    tc0, G = cfg.kernels.triton, cfg.kernels.leaves
+    rows = []
+
+    def bench(fn):
+        return float(triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median"))
+
+    def rec(**r):
+        rows.append(r)
+        log(json.dumps({k: (round(v, 5) if isinstance(v, float) else v) for k, v in r.items()}))
+
+    models = [("h200", cfg.model), *[(ec.name, ec.model) for ec in extra_models]]
+    col_shapes, leaf_shapes = [], []
+    for tag, mm in models:
+        kd, vd, h = (mm.linear_num_key_heads * mm.linear_key_head_dim, mm.linear_num_value_heads * mm.linear_value_head_dim,
+                     mm.hidden_size)
+        col_shapes += [(f"{tag} gdn.in_proj", 10240, h, 2 * kd + 2 * vd), (f"{tag} attn.q+gate", 10240, h, 2 * mm.num_attention_heads * mm.head_dim),
+                       (f"{tag} shared(up)", 10240, h, mm.shared_expert_intermediate_size),
+                       (f"{tag} gdn.in_proj decode", 256, h, 2 * kd + 2 * vd), (f"{tag} gdn.in_proj decode", 1, h, 2 * kd + 2 * vd)]
+        leaf_shapes += [(f"{tag} gdn.out_proj", 10240, vd, h), (f"{tag} attn.out_proj", 10240, mm.num_attention_heads * mm.head_dim, h),
+                        (f"{tag} shared(down)", 10240, mm.shared_expert_intermediate_size, h),
+                        (f"{tag} gdn.out_proj decode", 256, vd, h), (f"{tag} gdn.out_proj decode", 1, vd, h)]
+
+    def data(M, K, N):
+        n = 8 if M <= 256 else 1
+        return [(torch.randn(M, K, device=dev, dtype=bf), torch.randn(N, K, device=dev, dtype=bf) * K ** -0.5) for _ in range(n)]
+
+    def timed(fn, xw):
+        if len(xw) > 1:
+            return _bench_graph([lambda a=a, b=b: fn(a, b) for a, b in xw])
+        return bench(lambda: fn(*xw[0]))
+
+    if "gemm" in parts:
+        _variants_gemm(col_shapes, data, timed, tc0, rec)
+    if "leaf" in parts:
+        _variants_leaf(leaf_shapes, data, timed, tc0, G, rec)
+    if "attention" in parts:
+        _variants_attention(models, bench, rec)
+    if "cpr" in parts:
+        _variants_cpr(cfg, tc0, bench, rec, log)
+    if "moe" in parts:
+        _variants_moe(models, bench, rec)
+    return rows
+
+
+def _variants_gemm(col_shapes, data, timed, tc0, rec):
+    import torch.nn.functional as F
+
+    from isoexec.kernels.gemm import triton as t_gemm
+
+    dev, bf = "cuda", torch.bfloat16
+    cdata = {sh: data(*sh[1:]) for sh in col_shapes}
+    cub = {sh: timed(F.linear, cdata[sh]) for sh in col_shapes}
+    xi = torch.randn(513, 1024, device=dev, dtype=bf)
+    wi = torch.randn(3072, 1024, device=dev, dtype=bf) * 0.03
+    for prog, tiles in (("tiled", (128, 128, 64, 8, 3)), ("tiled", (128, 256, 64, 8, 3)), ("tiled", (128, 128, 64, 8, 4)),
+                        ("tiled", (128, 256, 64, 8, 4)), ("tiled", (64, 128, 64, 4, 4)), ("tiled", (128, 64, 64, 4, 4)),
+                        ("persistent_tma", (128, 128, 64, 8, 3)), ("persistent_tma", (128, 256, 64, 8, 3)),
+                        ("persistent_tma", (128, 128, 64, 8, 4)), ("persistent_tma", (128, 256, 64, 8, 4))):
+        cand = tc0.model_copy(update={"gemm_kernel": prog, "gemm_bfloat16": tiles})
+        conf = f"{prog} {','.join(map(str, tiles))}"
+        try:
+            ref = t_gemm.linear(xi[7:8], wi, cand)[0]
+            ok = all(torch.equal(t_gemm.linear(xi[r], wi, cand)[7 - (r.start or 0)], ref)
+                     for r in (slice(0, 8), slice(7, 300), slice(0, 513)))
+            for sh in col_shapes:
+                t = timed(lambda a, b: t_gemm.linear(a, b, cand), cdata[sh])
+                rec(what="gemm", config=conf, shape=f"{sh[0]} {sh[1]}x{sh[2]}@{sh[2]}x{sh[3]}", ms=t, ref_ms=cub[sh],
+                    frac_of_ref_throughput=cub[sh] / t, bitwise_ok=ok)
+        except Exception as e:  # a variant that does not compile or run is reported, not fatal
+            rec(what="gemm", config=conf, error=f"{type(e).__name__}: {str(e)[:200]}")
+
+
+def _variants_leaf(leaf_shapes, data, timed, tc0, G, rec):
+    import torch.nn.functional as F
+
+    from isoexec.kernels.gemm import triton as t_gemm
+
+    dev, bf = "cuda", torch.bfloat16
+    ldata = {sh: data(*sh[1:]) for sh in leaf_shapes}
+    lcub = {sh: timed(F.linear, ldata[sh]) for sh in leaf_shapes}
+    xl = torch.randn(300, 2048, device=dev, dtype=bf)
+    wl = torch.randn(1024, 2048, device=dev, dtype=bf) * 0.02
+    for tiles in ((128, 64, 64, 8, 3), (128, 64, 64, 8, 4), (128, 128, 64, 8, 3), (64, 64, 64, 4, 4), (128, 64, 128, 8, 3),
+                  (64, 128, 64, 4, 3)):
+        cand = tc0.model_copy(update={"pik_gemm_bfloat16": tiles})
+        conf = ",".join(map(str, tiles))
+        try:
+            full = t_gemm.linear_leaves(xl, wl, cand, G, split=False)
+            ok = torch.equal(full, t_gemm.linear_leaves(xl, wl, cand, G, split=True))
+            ok &= torch.equal(full[5], t_gemm.linear_leaves(xl[5:6], wl, cand, G, split=False)[0])
+            for tp in (2, 4, 8):
+                sv = 2048 // tp
+                parts = torch.stack([t_gemm.linear_leaves_partial(xl[:, i * sv:(i + 1) * sv], wl[:, i * sv:(i + 1) * sv], cand, G // tp)
+                                     for i in range(tp)])
+                ok &= torch.equal(t_gemm.tree_combine(parts, bf), full)
+            for sh in leaf_shapes:
+                for split in ((None,) if sh[1] > 256 else (True, False)):
+                    t = timed(lambda a, b: t_gemm.linear_leaves(a, b, cand, G, split=split), ldata[sh])
+                    rec(what="leaf_gemm", config=f"{conf} split={split}", shape=f"{sh[0]} {sh[1]}x{sh[2]}@{sh[2]}x{sh[3]}", ms=t,
+                        ref_ms=lcub[sh], frac_of_ref_throughput=lcub[sh] / t, bitwise_ok=bool(ok))
+        except Exception as e:
+            rec(what="leaf_gemm", config=conf, error=f"{type(e).__name__}: {str(e)[:200]}")
+
+
+def _variants_attention(models, bench, rec):
+    from isoexec.kernels.attention import triton as t_attn
+    from isoexec.kernels.attention.native import native_attention
+
+    dev, bf = "cuda", torch.bfloat16
+    lens = [2048] * 5
+    for tag, mm in models:
+        hq, hkv, d = mm.num_attention_heads, mm.num_key_value_heads, mm.head_dim
+        q = torch.randn(sum(lens), hq, d, device=dev, dtype=bf)
+        kv = [(torch.randn(n, hkv, d, device=dev, dtype=bf), torch.randn(n, hkv, d, device=dev, dtype=bf)) for n in lens]
+        t_ref = bench(lambda: native_attention(q, kv, [0] * 5, lens))
+        for bm, kvb, nw, ns in ((64, 64, 8, 2), (64, 64, 4, 2), (128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2),
+                                (128, 128, 8, 3), (64, 128, 4, 2), (64, 64, 4, 3)):
+            conf = f"block_m={bm} kv_block={kvb} warps={nw} stages={ns}"
+            try:
+                L = 300
+                qs, ks_, vs = q[:L], kv[0][0][:L], kv[0][1][:L]
+                full = t_attn.attention(qs, [(ks_, vs)], [0], [L], kvb, bm, nw, ns)
+                ok = all(torch.equal(t_attn.attention(qs[t:t + 1], [(ks_[:t + 1], vs[:t + 1])], [t], [1], kvb, bm, nw, ns)[0], full[t])
+                         for t in (0, 63, 64, 127, 128, 200, L - 1))
+                ok &= torch.equal(t_attn.attention(qs[100:170], [(ks_[:170], vs[:170])], [100], [70], kvb, bm, nw, ns), full[100:170])
+                t = bench(lambda: t_attn.attention(q, kv, [0] * 5, lens, kvb, bm, nw, ns))
+                rec(what="attention", config=conf, shape=f"{tag} 5x2048 {hq}q/{hkv}kv d{d}", ms=t, ref_ms=t_ref,
+                    frac_of_ref_throughput=t_ref / t, bitwise_ok=bool(ok))
+            except Exception as e:
+                rec(what="attention", config=conf, shape=f"{tag} d{d}", error=f"{type(e).__name__}: {str(e)[:200]}")
+
+
+def _variants_cpr(cfg, tc0, bench, rec, log):
     import torch.nn.functional as F
 
     from isoexec.kernels.gdn import triton as t_gdn
-    from isoexec.kernels.gemm import triton as t_gemm
 
-    rows, tc = [], cfg.kernels.triton
-    shapes = [(8192, 8192, 8192), (10240, 6144, 1024), (10240, 1024, 2048)]
-    xs = {s: (torch.randn(s[0], s[2], device="cuda", dtype=torch.bfloat16),
-              torch.randn(s[1], s[2], device="cuda", dtype=torch.bfloat16)) for s in shapes}
-    best = None
-    for tiles in ((128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 64, 4, 4)):
-        cand = tc.model_copy(update={"gemm_bfloat16": tiles})
-        try:
-            ts = [_bench(lambda: t_gemm.linear(*xs[s], cand)) / _bench(lambda: F.linear(*xs[s])) for s in shapes]
-        except Exception as e:  # e.g. out of shared memory
-            log(f"gemm tiles {tiles}: {type(e).__name__}")
-            continue
-        score = statistics.geometric_mean(ts)
-        rows.append({"what": "gemm_bf16", "config": ",".join(map(str, tiles)), "ratio_vs_cublas_geomean": score,
-                     **{f"ratio_{s[0]}x{s[1]}x{s[2]}": t for s, t in zip(shapes, ts)}})
-        log(json.dumps(rows[-1]))
-        if best is None or score < best[0]:
-            best = (score, tiles)
-    tc = tc.model_copy(update={"gemm_bfloat16": best[1]})
+    dev = "cuda"
     H, T, C = 32, 10240, cfg.kernels.chunk_size
-    q = F.normalize(torch.randn(T, H, 128, device="cuda"), dim=-1)
-    k = F.normalize(torch.randn(T, H, 128, device="cuda"), dim=-1)
-    v = torch.randn(T, H, 128, device="cuda")
-    g = F.logsigmoid(torch.randn(T, H, device="cuda")) * 0.1
-    b = torch.rand(T, H, device="cuda")
-    for names, variants in ((("gdn_scan_bv", "gdn_scan_warps"), ((8, 1), (16, 2), (32, 4), (64, 4))),
-                            (("gdn_chain_bv", "gdn_chain_warps"), ((32, 4), (16, 4), (64, 8))),
-                            (("gdn_prep_warps",), ((4,), (8,)))):
+    q = F.normalize(torch.randn(T, H, 128, device=dev), dim=-1)
+    k = F.normalize(torch.randn(T, H, 128, device=dev), dim=-1)
+    v = torch.randn(T, H, 128, device=dev)
+    g = F.logsigmoid(torch.randn(T, H, device=dev)) * 0.1
+    b = torch.rand(T, H, device=dev)
+    tc = tc0
+    for names, opts in ((("gdn_scan_bv", "gdn_scan_warps"), ((8, 1), (16, 1), (16, 2), (32, 2), (32, 4))),
+                        (("gdn_chain_bv", "gdn_chain_warps"), ((32, 4), (16, 4), (16, 2), (64, 4))),
+                        (("gdn_prep_warps",), ((4,), (8,), (2,)))):
         best = None
-        for vals in variants:
+        for vals in opts:
             cand = tc.model_copy(update=dict(zip(names, vals)))
+            conf = ",".join(f"{n}={x}" for n, x in zip(names, vals))
             try:
-                ms = _bench(lambda: t_gdn.cpr_gdn(q, k, v, g, b, [T], [None], C, cand, keep_state=False))
-            except Exception as e:  # e.g. out of resources for this tile
-                log(f"{names}={vals}: {type(e).__name__}")
+                o, _ = t_gdn.cpr_gdn(q[:200], k[:200], v[:200], g[:200], b[:200], [200], [None], C, cand, keep_state=False)
+                outs, st = [], [None]
+                for t0, t1 in ((0, 70), (70, 71), (71, 140), *[(i, i + 1) for i in range(140, 200)]):
+                    ot, st = t_gdn.cpr_gdn(q[t0:t1], k[t0:t1], v[t0:t1], g[t0:t1], b[t0:t1], [t1 - t0], st, C, cand)
+                    outs.append(ot)
+                ok = torch.equal(torch.cat(outs), o)
+                ms = bench(lambda: t_gdn.cpr_gdn(q, k, v, g, b, [T], [None], C, cand, keep_state=False))
+                rec(what="cpr", config=conf, shape="trainer_fwd 1x10240 h32", ms=ms, bitwise_ok=bool(ok))
+            except Exception as e:
+                rec(what="cpr", config=conf, error=f"{type(e).__name__}: {str(e)[:200]}")
                 continue
-            rows.append({"what": "cpr_trainer_fwd_1x10240_h32", "config": ",".join(f"{n}={v_}" for n, v_ in zip(names, vals)), "ms": ms})
-            log(json.dumps(rows[-1]))
             if best is None or ms < best[0]:
                 best = (ms, vals)
-        tc = tc.model_copy(update=dict(zip(names, best[1])))
-    chosen = tc.model_dump(mode="json")
-    log(f"tuned kernels.triton: {chosen}")
-    return rows, chosen
+        if best:
+            tc = tc.model_copy(update=dict(zip(names, best[1])))
+    log(f"cpr greedy choice: scan {tc.gdn_scan_bv}/{tc.gdn_scan_warps} chain {tc.gdn_chain_bv}/{tc.gdn_chain_warps} prep {tc.gdn_prep_warps}")
+    # decode step (scan only) for the scan variants at the chosen chain/prep
+    B = 256
+    pq, pk, pv, pg, pb = (x[:B * 8] for x in (q, k, v, g, b))
+    for sbv, sw in ((8, 1), (16, 1), (16, 2), (32, 2)):
+        cand = tc.model_copy(update={"gdn_scan_bv": sbv, "gdn_scan_warps": sw})
+        try:
+            _, states = t_gdn.cpr_gdn(pq, pk, pv, pg, pb, [8] * B, [None] * B, C, cand)
+
+            def step():
+                nonlocal states
+                _, states = t_gdn.cpr_gdn(q[:B], k[:B], v[:B], g[:B], b[:B], [1] * B, states, C, cand)
+
+            rec(what="cpr_decode", config=f"gdn_scan_bv={sbv},gdn_scan_warps={sw}", shape="decode 256x1 h32 (one step)", ms=bench(step))
+        except Exception as e:
+            rec(what="cpr_decode", config=f"{sbv},{sw}", error=f"{type(e).__name__}: {str(e)[:200]}")
+
+
+def _variants_moe(models, bench, rec):
+    from isoexec.kernels.moe import native as n_moe
+
+    dev, bf = "cuda", torch.bfloat16
+    for tag, mm in models[1:] or models:
+        E, I, h, kk = mm.num_experts, mm.moe_intermediate_size, mm.hidden_size, mm.num_experts_per_tok
+        xm = torch.randn(4096, h, device=dev, dtype=bf)
+        ids = torch.stack([torch.randperm(E, device=dev)[:kk] for _ in range(4096)])
+        ex = [tuple(torch.randn(*s_, device=dev, dtype=bf) * 0.02 for s_ in ((I, h), (I, h), (h, I))) for _ in range(E)]
+        try:
+            yg, yl = n_moe.native_experts_grouped(xm, ids, ex), n_moe.native_experts(xm, ids, ex)
+            rel = float((yg.float() - yl.float()).norm() / yl.float().norm())
+            rec(what="native_moe", config="grouped_mm vs loop", shape=f"{tag} 4096 tok E{E} top{kk}",
+                ms=bench(lambda: n_moe.native_experts_grouped(xm, ids, ex)), ref_ms=bench(lambda: n_moe.native_experts(xm, ids, ex)),
+                rel_diff=rel)
+            xg = xm.detach().requires_grad_(True)
+            exg = [tuple(w.detach().requires_grad_(True) for w in e) for e in ex[:E]]
+            n_moe.native_experts_grouped(xg, ids, exg).float().sum().backward()
+            rec(what="native_moe", config="grouped_mm backward", shape=tag, grad_ok=bool(xg.grad is not None and exg[0][0].grad is not None))
+        except Exception as e:
+            rec(what="native_moe", config="grouped_mm", shape=tag, error=f"{type(e).__name__}: {str(e)[:300]}")
 
 
 # ------------------------------------------------------------------------------------- profile
@@ -489,18 +710,20 @@ def cpr_breakdown(cfg, log=print, H=32) -> list[dict]:
 
 
 # ----------------------------------------------------------------------------------------- entry
-def gpu_bench_command(config: str = "experiments/h200.yaml", out_dir: str | None = None, what: str = "bench") -> None:
-    """Run on a CUDA device: ``what`` in {"tune", "gates", "bench", "all"}; writes under ``out_dir`` (default results/<exp>).
+def gpu_bench_command(config: str = "experiments/h200.yaml", out_dir: str | None = None, what: str = "bench",
+                      extra_configs: tuple[str, ...] = ()) -> None:
+    """Run on a CUDA device; writes under ``out_dir`` (default results/<exp>).
 
-    ``tune`` picks the deployment's fixed Triton constants once and writes ``tuned.yaml``, the
-    experiment config with those constants in ``kernels.triton`` (pass it as ``--config`` to the later
-    stages, or copy the section into the experiment); gates and benchmarks run with the constants of
-    the config they are given."""
+    ``what``: ``variants`` (candidate launch constants side by side with their bitwise checks, for the
+    deployment to pin in ``kernels.triton``), ``gates``, ``profile`` (CPR breakdown), ``kernels`` /
+    ``cpr`` / ``model`` (one benchmark table each), ``bench`` (the three), ``all`` (gates + bench).
+    Every stage runs with the constants of the config it is given."""
     from isoexec.config import load_config
     from isoexec.io import atomic_write_text, write_csv
     from isoexec.provenance import provenance
 
     cfg = load_config(config)
+    extra = [load_config(c) for c in extra_configs]
     if cfg.device != "cuda" or not torch.cuda.is_available():
         raise SystemExit(f"{config}: needs device: cuda and a visible CUDA device (torch.cuda.is_available()={torch.cuda.is_available()})")
     out = Path(out_dir) if out_dir else cfg.out_dir
@@ -514,26 +737,24 @@ def gpu_bench_command(config: str = "experiments/h200.yaml", out_dir: str | None
         print(s, flush=True)
 
     prov["kernels"] = cfg.kernels.model_dump(mode="json")
-    if what == "tune":
-        import yaml
-
-        rows, chosen = tune(cfg, log)
-        write_csv(out / "tune.csv", rows)
-        prov["tuned"] = chosen
-        tuned = cfg.model_dump(mode="json", exclude_none=True)
-        tuned["kernels"]["triton"] = chosen
-        atomic_write_text(out / "tuned.yaml", yaml.safe_dump(tuned, sort_keys=False))
     if what == "profile":
         write_csv(out / "cpr_breakdown.csv", cpr_breakdown(cfg, log))
+    if what == "variants":
+        parts = tuple(os.environ.get("ISOEXEC_VARIANTS", "gemm leaf attention cpr moe").split())
+        write_csv(out / f"variants_{'_'.join(parts)}.csv", variants(cfg, log, extra, parts))
     if what in ("gates", "all"):
         prov["gates"] = gpu_gates(cfg, out, log)
-    if what in ("bench", "all"):
-        steps = {}
+    tables = {"kernels": ("kernel_bench",), "cpr": ("cpr_layer",), "model": ("model_throughput",),
+              "bench": ("kernel_bench", "cpr_layer", "model_throughput"), "all": ("kernel_bench", "cpr_layer", "model_throughput")}
+    if what in tables:
+        steps = prov.get("bench", {})
         ceil = ceilings()
         prov["ceilings"] = ceil
         log(f"ceilings: {ceil}")
-        for name, fn in (("kernel_bench", lambda: kernel_table(cfg, ceil, log)), ("cpr_layer", lambda: cpr_table(cfg, log)),
+        for name, fn in (("kernel_bench", lambda: kernel_table(cfg, ceil, log, extra)), ("cpr_layer", lambda: cpr_table(cfg, log)),
                          ("model_throughput", lambda: model_table(cfg, log))):
+            if name not in tables[what]:
+                continue
             t0 = time.time()
             try:
                 rows = fn()
@@ -551,9 +772,10 @@ if __name__ == "__main__":
     import argparse
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("what", choices=["tune", "gates", "bench", "profile", "all"])
+    p.add_argument("what", choices=["variants", "gates", "profile", "kernels", "cpr", "model", "bench", "all"])
     p.add_argument("--config", default="experiments/h200.yaml")
+    p.add_argument("--extra-config", action="append", default=[], help="another experiment whose shapes the GEMM and attention rows add")
     p.add_argument("--out-dir", default=None)
     a = p.parse_args()
-    gpu_bench_command(a.config, a.out_dir, a.what)
+    gpu_bench_command(a.config, a.out_dir, a.what, tuple(a.extra_config))
     sys.exit(0)

@@ -31,6 +31,18 @@ from isoexec.contract import REGIONS
 
 GEMM_REGIONS = ("attn.qkv_proj", "attn.out_proj", "gdn.in_proj", "gdn.out_proj")
 """Projection GEMMs that share one implementation (``lm_head`` and the MoE GEMMs have their own entries)."""
+ROW_PARALLEL_REGIONS = ("attn.out_proj", "gdn.out_proj")
+"""Projections whose K is sharded under TP (Megatron's ``RowParallelLinear``): pik leaf GEMMs."""
+COLUMN_PARALLEL_REGIONS = ("attn.qkv_proj", "gdn.in_proj")
+"""Projections whose output features are sharded under TP (``ColumnParallelLinear``): column tiles on CPU."""
+
+SINGLE_RANK = {"tp": (1,), "ep": (1,), "sp": (1,)}
+"""Topology of a set without parallel invariance: one rank in every dimension."""
+
+ISOEXEC_CPU_TOPOLOGY = {"tp": (1, 2, 4), "ep": (1, 2), "sp": (1, 2, 4), "dp": (1, 2)}
+"""Degrees under which the CPU isoexec set is proven invariant: the Megatron trainer's layouts in
+``tests/test_trainer_megatron.py`` (TP 1/2/4 with SP, EP 2 with two data-parallel replicas, TP 2 x EP 2)
+against the unified model. The pik tree itself allows every power of two dividing ``leaves``."""
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -77,13 +89,16 @@ class KernelSet:
         mode: ``"isoexec"`` or ``"native"``. arch: ``"cpu"`` or ``"sm90"``.
         impls: one :class:`Impl` per region of :data:`~isoexec.contract.REGIONS`.
         section: the :class:`~isoexec.config.KernelSection` the impls were built from.
+        topology: parallel dimension -> degrees under which the bits are proven invariant (the
+            contract's topology claim); default one rank everywhere.
 
     Raises:
         ValueError: a region is missing, duplicated or unknown.
     """
 
-    def __init__(self, mode: str, arch: str, impls: Iterable[Impl], section) -> None:
-        self.mode, self.arch, self.section = mode, arch, section
+    def __init__(self, mode: str, arch: str, impls: Iterable[Impl], section,
+                 topology: Mapping[str, tuple[int, ...]] = SINGLE_RANK) -> None:
+        self.mode, self.arch, self.section, self.topology = mode, arch, section, dict(topology)
         self.impls: dict[str, Impl] = {}
         for i in impls:
             if i.region in self.impls:
@@ -125,7 +140,7 @@ def _isoexec_cpu(k) -> list[Impl]:
     from isoexec.kernels.conv.cpu import iso_causal_conv1d
     from isoexec.kernels.gdn import cpu as gdn
     from isoexec.kernels.gdn.native import chunk_reference
-    from isoexec.kernels.gemm.cpu import iso_linear
+    from isoexec.kernels.gemm.cpu import iso_linear, iso_row_linear
     from isoexec.kernels.logprob.cpu import iso_logprob
     from isoexec.kernels.moe import cpu as moe
     from isoexec.kernels.native_build import CFLAGS
@@ -142,17 +157,23 @@ def _isoexec_cpu(k) -> list[Impl]:
         return gdn.cpr_gdn(q, k_, v, g, beta, lengths, states, k.chunk_size)
 
     V, A = "1", "cpu"
-    gemm = {"acc_dtype": "float32", "row_tile": k.row_tile, "split_k": 1}
+    gemm = {"acc_dtype": "float32", "row_tile": k.row_tile, "col_tile": k.col_tile, "split_k": 1}
+    pik = {"acc_dtype": "float32", "row_tile": k.row_tile, "leaves": k.leaves, "leaf_tree": "adjacent_pairs"}
+    mlp = {**gemm, "leaves": k.leaves, "leaf_tree": "adjacent_pairs"}  # column-tiled gate/up, pik down
     bd = lambda dt: {"boundary_dtype": _dtype_name(dt)}  # noqa: E731
     tree = {"reduction": "binary_tree_pow2", "acc_dtype": "float32"}
-    lin = partial(iso_linear, row_tile=k.row_tile)
-    gemm_proof = "tests/test_kernels_primitives.py::test_tile_mm_row_bits_independent_of_row_count_and_position"
+    col = partial(iso_linear, row_tile=k.row_tile, col_tile=k.col_tile)
+    col_proof = "tests/test_kernels_primitives.py::test_fixed_tile_gemm_column_bits_independent_of_position_and_neighbours"
+    pik_proof = "tests/test_pik.py::test_pik_row_parallel_linear_is_bitwise_equal_across_tp_and_to_reference"
     return [
         Impl("embed", "isoexec.cpu.embedding_gather", V, A, {}, "gates:trainer_vs_engine", lambda table, ids: table[ids],
              lambda dt: {"dtype": _dtype_name(dt)}),
         Impl("norm.rms", "isoexec.cpu.rms_norm", V, A, {**tree, "scale": "one_plus_w"}, "gates:batch_composition",
              norm.iso_rms_norm),
-        *[Impl(r, "isoexec.cpu.tile_gemm", V, A, gemm, gemm_proof, lin, bd) for r in GEMM_REGIONS],
+        *[Impl(r, "isoexec.cpu.col_tile_gemm", V, A, gemm, col_proof, col, bd) for r in COLUMN_PARALLEL_REGIONS],
+        *[Impl(r, "isoexec.cpu.pik_leaf_gemm", V, A, pik, pik_proof, partial(iso_row_linear, row_tile=k.row_tile,
+                                                                               leaves=k.leaves), bd)
+          for r in ROW_PARALLEL_REGIONS],
         Impl("attn.rope", "isoexec.cpu.rope_elementwise", V, A, {}, "gates:trainer_vs_engine", rope.apply_rope,
              lambda dt: {"table_dtype": _dtype_name(dt)}),
         Impl("attn.core", "isoexec.cpu.blockwise_online_softmax", V, A,
@@ -171,15 +192,16 @@ def _isoexec_cpu(k) -> list[Impl]:
               "cflags": " ".join(CFLAGS), "decode_resync": True}, "gates:decode_chunk_boundaries", gdn_core),
         Impl("gdn.norm", "isoexec.cpu.gated_rms_norm", V, A, tree, "gates:trainer_vs_engine", norm.iso_gated_rms_norm),
         Impl("moe.router", "isoexec.cpu.router_softmax_stable_topk", V, A, {**gemm, "ties": "lower_id"},
-             "gates:batch_composition", partial(moe.iso_router, row_tile=k.row_tile), bd),
-        Impl("moe.experts", "isoexec.cpu.tile_gemm_swiglu", V, A, gemm, "gates:batch_composition",
-             partial(moe.iso_experts, row_tile=k.row_tile), bd),
+             "gates:batch_composition", partial(moe.iso_router, row_tile=k.row_tile, col_tile=k.col_tile), bd),
+        Impl("moe.experts", "isoexec.cpu.col_tile_swiglu_pik_down", V, A, mlp, "gates:batch_composition",
+             partial(moe.iso_experts, row_tile=k.row_tile, col_tile=k.col_tile, leaves=k.leaves), bd),
         Impl("moe.combine", "isoexec.cpu.routing_order_sum", V, A, {"acc_dtype": "float32", "order": "routing_rank"},
              "gates:batch_composition", moe.iso_combine),
-        Impl("mlp.shared_expert", "isoexec.cpu.tile_gemm_swiglu_sigmoid_gate", V, A, gemm, "gates:batch_composition",
-             partial(moe.iso_shared_expert, row_tile=k.row_tile), bd),
-        Impl("lm_head", "isoexec.cpu.tile_gemm", V, A, {**gemm, "out_dtype": "float32"}, "gates:trainer_vs_engine",
-             partial(iso_linear, row_tile=k.row_tile, out_dtype=torch.float32), bd),
+        Impl("mlp.shared_expert", "isoexec.cpu.col_tile_swiglu_pik_down_sigmoid_gate", V, A, mlp,
+             "gates:batch_composition",
+             partial(moe.iso_shared_expert, row_tile=k.row_tile, col_tile=k.col_tile, leaves=k.leaves), bd),
+        Impl("lm_head", "isoexec.cpu.col_tile_gemm", V, A, {**gemm, "out_dtype": "float32"}, "gates:trainer_vs_engine",
+             partial(col, out_dtype=torch.float32), bd),
         Impl("logprob", "isoexec.cpu.blocked_log_softmax", V, A,
              {"vocab_block": k.vocab_block, "temperature": float(k.temperature), "logits_dtype": "float32"},
              "gates:trainer_vs_engine", partial(iso_logprob, temperature=k.temperature, vocab_block=k.vocab_block)),
@@ -231,7 +253,8 @@ def _native(k, device: str) -> list[Impl]:
         impl("gdn.core", gdn_id, gdn_core),
         impl("gdn.norm", "native.torch.gdn.norm", norm.native_gated_rms_norm),
         impl("moe.router", "native.torch.moe.router", moe.native_router),
-        impl("moe.experts", "native.torch.moe.experts", moe.native_experts),
+        impl("moe.experts", "native.torch.moe.experts" if device == "cpu" else "native.cublas.grouped_mm_experts",
+             moe.native_experts if device == "cpu" else moe.native_experts_grouped),
         impl("moe.combine", "native.torch.moe.combine", moe.native_combine),
         impl("mlp.shared_expert", "native.torch.mlp.shared_expert", moe.native_shared_expert),
         impl("lm_head", proj("lm_head"), partial(native_linear, out_dtype=torch.float32)),
@@ -262,25 +285,32 @@ def _isoexec_sm90(k) -> list[Impl]:
             lambda *x: chunk_reference(lengths, k.chunk_size, *x), q, k_, v, g, beta)
         return o, [None] * len(lengths)
 
-    V, A = "1", "sm90"
+    V, A = "2", "sm90"
     acc = {"acc_dtype": "float32"}
     gemm_c = lambda dt: {"boundary_dtype": _dtype_name(dt), **gemm.constants(t, dt)}  # noqa: E731
+    leaf_c = lambda dt: {"boundary_dtype": _dtype_name(dt), **gemm.leaf_constants(t, dt, k.leaves)}  # noqa: E731
+    mlp_c = lambda dt: {**gemm_c(dt), **{f"down_{n}": v for n, v in gemm.leaf_constants(t, dt, k.leaves).items()}}  # noqa: E731
     row = {"reduction": "tl.sum_fixed_tile", "acc_dtype": "float32", "tile": "function_of_D_only"}
     ew = {"impl": "torch_elementwise_cuda", "math_dtype": "float32"}
     gemm_proof = "tests/test_kernels_triton.py"
+    pik_proof = "tests/test_kernels_triton.py::test_leaf_gemm_bitwise_across_tp_subtrees_and_launches"
     return [
         Impl("embed", "isoexec.torch.embedding_gather", V, A, {"impl": "torch_elementwise_cuda"},
              "gates:trainer_vs_engine", lambda table, ids: table[ids], lambda dt: {"dtype": _dtype_name(dt)}),
         Impl("norm.rms", "isoexec.triton.rms_norm", V, A, {**row, "scale": "one_plus_w"}, "gates:batch_composition",
              norm.rms_norm_autograd),
         *[Impl(r, "isoexec.triton.gemm", V, A, acc, gemm_proof, partial(gemm.linear_autograd, cfg=t), gemm_c)
-          for r in GEMM_REGIONS],
+          for r in GEMM_REGIONS if r not in ROW_PARALLEL_REGIONS],
+        *[Impl(r, "isoexec.triton.pik_leaf_gemm", V, A, acc, pik_proof,
+               partial(gemm.linear_leaves_autograd, cfg=t, leaves=k.leaves), leaf_c) for r in ROW_PARALLEL_REGIONS],
         Impl("attn.rope", "isoexec.torch.rope_elementwise", V, A, ew, "gates:trainer_vs_engine", rope.apply_rope,
              lambda dt: {"table_dtype": _dtype_name(dt)}),
         Impl("attn.core", "isoexec.triton.blockwise_online_softmax", V, A,
-             {"kv_block": k.kv_block, "tile_m": t.attn_block_m, "acc_dtype": "float32", "block_order": "ascending",
+             {"kv_block": k.kv_block, "tile_m": t.attn_block_m, "num_warps": t.attn_num_warps, "acc_dtype": "float32",
+              "block_order": "ascending", "softmax": "exp2_scale_after_max", "fp_contraction": False,
               "split_kv": 1}, "gates:prefill_split",
-             partial(attn.attention_autograd, kv_block=k.kv_block, block_m=t.attn_block_m),
+             partial(attn.attention_autograd, kv_block=k.kv_block, block_m=t.attn_block_m, num_warps=t.attn_num_warps,
+                     num_stages=t.attn_num_stages),
              lambda dt: {"p_dtype": _dtype_name(dt)}),
         Impl("attn.gate", "isoexec.torch.sigmoid_gate", V, A, ew, "gates:trainer_vs_engine", attn_cpu.iso_sigmoid_gate),
         Impl("gdn.conv1d", "isoexec.triton.causal_conv1d", V, A,
@@ -295,12 +325,12 @@ def _isoexec_sm90(k) -> list[Impl]:
              norm.gated_rms_norm_autograd),
         Impl("moe.router", "isoexec.triton.gemm+torch_softmax_tree_stable_sort", V, A, {**acc, "ties": "lower_id"},
              "gates:batch_composition", partial(moe.router, cfg=t), gemm_c),
-        Impl("moe.experts", "isoexec.triton.grouped_gemm_swiglu", V, A, acc, "gates:batch_composition",
-             partial(moe.experts, cfg=t), gemm_c),
+        Impl("moe.experts", "isoexec.triton.grouped_gemm_swiglu_leaf_down", V, A, acc, "gates:batch_composition",
+             partial(moe.experts, cfg=t, leaves=k.leaves), mlp_c),
         Impl("moe.combine", "isoexec.torch.routing_order_sum", V, A, {"acc_dtype": "float32", "order": "routing_rank"},
              "gates:batch_composition", moe_cpu.iso_combine),
-        Impl("mlp.shared_expert", "isoexec.triton.gemm_swiglu_sigmoid_gate", V, A, acc, "gates:batch_composition",
-             partial(moe.shared_expert, cfg=t), gemm_c),
+        Impl("mlp.shared_expert", "isoexec.triton.gemm_swiglu_leaf_down_sigmoid_gate", V, A, acc,
+             "gates:batch_composition", partial(moe.shared_expert, cfg=t, leaves=k.leaves), mlp_c),
         Impl("lm_head", "isoexec.triton.gemm", V, A, {**acc, "out_dtype": "float32"}, "gates:trainer_vs_engine",
              partial(gemm.linear_autograd, cfg=t, out_dtype=torch.float32), gemm_c),
         Impl("logprob", "isoexec.triton.online_blocked_log_softmax", V, A,
@@ -334,5 +364,5 @@ def build_kernel_set(mode: str, device: str, section=None) -> KernelSet:
     if mode == "native":
         return KernelSet(mode, arch, _native(section, device), section)
     if device == "cpu":
-        return KernelSet(mode, arch, _isoexec_cpu(section), section)
+        return KernelSet(mode, arch, _isoexec_cpu(section), section, ISOEXEC_CPU_TOPOLOGY)
     return KernelSet(mode, arch, _isoexec_sm90(section), section)

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from isoexec.kernels import KernelSet
+from isoexec.kernels.attention.rope import rope_inv_freq
 from isoexec.model.cache import SequenceCache
 from isoexec.model.inputs import InputError, check_attention_mask, check_cu_seqlens, check_token_ids
 from isoexec.model.layers import Attention, Backbone, Batch, GatedDeltaNet, W
@@ -48,9 +49,8 @@ class UnifiedModel(nn.Module):
         rp = getattr(config, "rope_parameters", None) or {}
         theta = rp.get("rope_theta", getattr(config, "rope_theta", 10000.0))
         factor = rp.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
-        rot = int(head_dim * factor)
         # fp32 RoPE frequencies, a plain attribute so that ``.to(dtype)`` never rounds them.
-        self.inv_freq = 1.0 / (theta ** (torch.arange(0, rot, 2, dtype=torch.float) / rot))
+        self.inv_freq = rope_inv_freq(head_dim, factor, theta)
         self.to(dtype)
 
     @property
@@ -223,33 +223,45 @@ class UnifiedModel(nn.Module):
 
     def contract(self, deployment: dict | None = None):
         """The :class:`~isoexec.contract.ExecutionContract` of this model and kernel set (all four cases)."""
-        import hashlib
-        import json
+        return build_contract(self.config, self.kernels, self.dtype, deployment)
 
-        from isoexec.contract import CASES, Claims, CompositionEntry, ExecutionContract, TopologyClaim
 
-        cfg = {k: v for k, v in sorted(self.config.to_dict().items()) if k not in _NON_SEMANTIC_CONFIG_KEYS}
-        model = {
-            "architecture": (self.config.architectures or ["Qwen3NextForCausalLM"])[0],
-            "config_sha256": hashlib.sha256(json.dumps(cfg, sort_keys=True, default=str).encode()).hexdigest(),
-            "param_dtype": str(self.dtype).replace("torch.", ""),
-        }
-        comp = [
-            CompositionEntry(i.region, CASES, i.impl_id, i.version, i.arch, i.constants_for(self.dtype), i.proof)
-            for i in self.kernels.composition(self.dtype)
-        ]
-        claims = Claims(
-            topology={"tp": TopologyClaim(domain=(1,), pinned=1), "ep": TopologyClaim(domain=(1,), pinned=1),
-                      "sp": TopologyClaim(domain=(1,), pinned=1)},
-            state={
-                "weight_sync": ("prefix_cache", "kv_cache", "gdn_state", "conv_state"),
-                "preemption": ("kv_cache", "gdn_state", "conv_state"),
-            },
-            tolerances={"logprob_abs_diff": 0.0} if self.kernels.name == "isoexec" else {},
-            engine={"enable_prefix_caching": False},
-        )
-        return ExecutionContract.build(model=model, cases=CASES, composition=comp, claims=claims,
-                                       deployment=deployment or {"torch_num_threads": torch.get_num_threads()})
+def build_contract(config, kernels: KernelSet, dtype: torch.dtype, deployment: dict | None = None):
+    """The execution contract of a model of ``config`` run by ``kernels`` with parameters in ``dtype``.
+
+    One builder for the unified model and for trainers that run the same kernel set inside another
+    framework (the Megatron trainer), so both sides produce the same ``numerical_policy``. The topology
+    claim is the kernel set's proven domain (:attr:`KernelSet.topology`; a single-degree domain is
+    pinned).
+    """
+    import hashlib
+    import json
+
+    from isoexec.contract import CASES, Claims, CompositionEntry, ExecutionContract, TopologyClaim
+
+    cfg = {k: v for k, v in sorted(config.to_dict().items()) if k not in _NON_SEMANTIC_CONFIG_KEYS}
+    model = {
+        "architecture": (config.architectures or ["Qwen3NextForCausalLM"])[0],
+        "config_sha256": hashlib.sha256(json.dumps(cfg, sort_keys=True, default=str).encode()).hexdigest(),
+        "param_dtype": str(dtype).replace("torch.", ""),
+    }
+    comp = [
+        CompositionEntry(i.region, CASES, i.impl_id, i.version, i.arch, i.constants_for(dtype), i.proof)
+        for i in kernels.composition(dtype)
+    ]
+    topology = {dim: TopologyClaim(domain=dom, pinned=dom[0] if len(dom) == 1 else None)
+                for dim, dom in kernels.topology.items()}
+    claims = Claims(
+        topology=topology,
+        state={
+            "weight_sync": ("prefix_cache", "kv_cache", "gdn_state", "conv_state"),
+            "preemption": ("kv_cache", "gdn_state", "conv_state"),
+        },
+        tolerances={"logprob_abs_diff": 0.0} if kernels.name == "isoexec" else {},
+        engine={"enable_prefix_caching": False},
+    )
+    return ExecutionContract.build(model=model, cases=CASES, composition=comp, claims=claims,
+                                   deployment=deployment or {"torch_num_threads": torch.get_num_threads()})
 
 
 _NON_SEMANTIC_CONFIG_KEYS = {"transformers_version", "dtype", "torch_dtype", "use_cache", "architectures", "_name_or_path",

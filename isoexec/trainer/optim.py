@@ -12,7 +12,7 @@ optimizer instance type updates the transformers model and the unified model ali
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -24,6 +24,10 @@ class MasterAdamW:
         named_params: ``(name, parameter)`` pairs; parameters of any float dtype, ``requires_grad``.
         lr, betas, eps, weight_decay: AdamW hyper-parameters (decoupled weight decay).
         max_grad_norm: clip the global L2 norm of the gradients to this value (<= 0: no clipping).
+        grad_of: where a parameter's gradient lives (default ``p.grad``; Megatron keeps it in
+            ``p.main_grad``).
+        norm_of: the global L2 norm of ``{name: fp32 gradient}`` (default: of these tensors; a sharded
+            trainer passes its collective over the parallel ranks).
     """
 
     def __init__(
@@ -34,8 +38,11 @@ class MasterAdamW:
         eps: float = 1e-8,
         weight_decay: float = 0.0,
         max_grad_norm: float = 1.0,
+        grad_of: Callable[[torch.nn.Parameter], torch.Tensor | None] = lambda p: p.grad,
+        norm_of: Callable[[dict[str, torch.Tensor]], float] | None = None,
     ):
         self.params = dict(named_params)
+        self.grad_of, self.norm_of = grad_of, norm_of
         for p in self.params.values():
             p.requires_grad_(True)
         self.master = {n: p.detach().to(torch.float32).clone() for n, p in self.params.items()}
@@ -55,11 +62,13 @@ class MasterAdamW:
         Returns:
             The global gradient L2 norm before clipping (``nan``/``inf`` skips the update).
         """
-        grads = {n: (p.grad.to(torch.float32) if p.grad is not None else None) for n, p in self.params.items()}
-        present = [g for g in grads.values() if g is not None]
+        grads = {n: (g.to(torch.float32) if (g := self.grad_of(p)) is not None else None) for n, p in self.params.items()}
+        present = {n: g for n, g in grads.items() if g is not None}
         norm = 0.0
-        if present:
-            norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in present])))
+        if self.norm_of is not None:
+            norm = float(self.norm_of(present))
+        elif present:
+            norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in present.values()])))
         if not math.isfinite(norm):
             self.zero_grad()
             return norm

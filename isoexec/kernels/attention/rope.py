@@ -6,6 +6,13 @@ from __future__ import annotations
 import torch
 
 
+def rope_inv_freq(head_dim: int, partial_rotary_factor: float, theta: float) -> torch.Tensor:
+    """fp32 inverse frequencies ``[rotary_dim / 2]`` of a partial rotary embedding, as transformers:
+    ``rotary_dim = int(head_dim * partial_rotary_factor)``, ``1 / theta ** (arange(0, rotary_dim, 2) / rotary_dim)``."""
+    rot = int(head_dim * partial_rotary_factor)
+    return 1.0 / (theta ** (torch.arange(0, rot, 2, dtype=torch.float) / rot))
+
+
 def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin tables ``[N, rotary_dim]`` for absolute positions, as HF (``cat(freqs, freqs)``), cast to ``dtype``.
 

@@ -5,9 +5,11 @@ Same contract as :func:`isoexec.kernels.attention.cpu.iso_attention`: a tile hol
 (sequence, kv head) (row r = query ``r // group``, head ``h * group + r % group``, so decode packs a
 GQA group into one tile), keys are visited in fixed blocks of ``BN = kv_block`` absolute positions
 from block 0 upwards, with one online-softmax update (fp32 m, l, acc; ``p`` rounded to the input
-dtype for the PV product). A block wholly after a row's position is an exact no-op for that row, so
-the same query gets the same bits whatever the case, the tile it lands in, or the other sequences.
-No split-KV.
+dtype for the PV product; ``p = exp2((s - m) * log2(e)/sqrt(D))`` with the running max ``m`` of the
+raw scores). A block wholly after a row's position is an exact no-op for that row, so the same query
+gets the same bits whatever the case, the tile it lands in, or the other sequences. Blocks that every
+row of a tile sees whole skip the causal mask (a mask that removes nothing changes no value; the kernel
+is compiled without FMA contraction so both loops round alike). No split-KV.
 """
 
 from __future__ import annotations
@@ -21,10 +23,34 @@ import triton.language as tl
 from isoexec.kernels.autograd import with_ref_grad
 
 DOT_PRECISION = "ieee"
+LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _attn_kernel(q_ptr, k_ptr, v_ptr, o_ptr, meta_ptr, sm_scale,
+def _attn_block(q, k_ptr, v_ptr, kv_off, h, stride_kn, stride_kh, d, blk, kv_len, pos, m, l, acc, qk_scale,
+                BN: tl.constexpr, MASKED: tl.constexpr, PREC: tl.constexpr):
+    kpos = blk * BN + tl.arange(0, BN)
+    kv_offs = (kv_off + kpos).to(tl.int64)[:, None] * stride_kn + h * stride_kh + d[None, :]
+    if MASKED:
+        kmask = kpos < kv_len
+        kb = tl.load(k_ptr + kv_offs, mask=kmask[:, None], other=0.0)
+        vb = tl.load(v_ptr + kv_offs, mask=kmask[:, None], other=0.0)
+    else:
+        kb = tl.load(k_ptr + kv_offs)
+        vb = tl.load(v_ptr + kv_offs)
+    s = tl.dot(q, tl.trans(kb), input_precision=PREC)  # raw scores; the scale enters after the max
+    if MASKED:
+        s = tl.where(kpos[None, :] > pos[:, None], float("-inf"), s)
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    p = tl.exp2((s - m_new[:, None]) * qk_scale)
+    alpha = tl.exp2((m - m_new) * qk_scale)
+    l = l * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb, input_precision=PREC)
+    return m_new, l, acc
+
+
+@triton.jit
+def _attn_kernel(q_ptr, k_ptr, v_ptr, o_ptr, meta_ptr, qk_scale,
                  stride_qn, stride_qh, stride_kn, stride_kh, stride_on, stride_oh,
                  GROUP: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr):
     tile = tl.program_id(0)
@@ -43,32 +69,26 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, o_ptr, meta_ptr, sm_scale,
     q_offs = (q_row0 + qi).to(tl.int64)[:, None] * stride_qn + head[:, None] * stride_qh + d[None, :]
     q = tl.load(q_ptr + q_offs)
     kv_len = start + n
+    min_pos = start + r0 // GROUP
     max_pos = start + tl.minimum((r0 + BM - 1) // GROUP, n - 1)
+    n_full = (min_pos + 1) // BN  # blocks every row of the tile sees whole: no mask needed
     n_blocks = max_pos // BN + 1
     m = tl.full((BM,), float("-inf"), tl.float32)
     l = tl.zeros((BM,), tl.float32)
     acc = tl.zeros((BM, D), tl.float32)
-    for blk in range(0, n_blocks):
-        kpos = blk * BN + tl.arange(0, BN)
-        kmask = kpos < kv_len
-        kv_offs = (kv_off + kpos).to(tl.int64)[:, None] * stride_kn + h * stride_kh + d[None, :]
-        kb = tl.load(k_ptr + kv_offs, mask=kmask[:, None], other=0.0)
-        vb = tl.load(v_ptr + kv_offs, mask=kmask[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(kb), input_precision=PREC) * sm_scale
-        s = tl.where(kpos[None, :] > pos[:, None], float("-inf"), s)
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m - m_new)
-        l = l * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb, input_precision=PREC)
-        m = m_new
+    for blk in range(0, n_full):
+        m, l, acc = _attn_block(q, k_ptr, v_ptr, kv_off, h, stride_kn, stride_kh, d, blk, kv_len, pos, m, l, acc,
+                                qk_scale, BN, False, PREC)
+    for blk in range(n_full, n_blocks):
+        m, l, acc = _attn_block(q, k_ptr, v_ptr, kv_off, h, stride_kn, stride_kh, d, blk, kv_len, pos, m, l, acc,
+                                qk_scale, BN, True, PREC)
     out = acc / l[:, None]
     o_offs = (q_row0 + qi).to(tl.int64)[:, None] * stride_on + head[:, None] * stride_oh + d[None, :]
     tl.store(o_ptr + o_offs, out.to(o_ptr.dtype.element_ty), mask=rmask[:, None])
 
 
 def attention(q: torch.Tensor, kv: list[tuple[torch.Tensor, torch.Tensor]], starts: list[int], lengths: list[int],
-              kv_block: int, block_m: int) -> torch.Tensor:
+              kv_block: int, block_m: int, num_warps: int = 8, num_stages: int = 2) -> torch.Tensor:
     """Blockwise causal attention over per-sequence caches.
 
     Args:
@@ -77,6 +97,8 @@ def attention(q: torch.Tensor, kv: list[tuple[torch.Tensor, torch.Tensor]], star
         starts: absolute position of each piece's first query. lengths: queries per piece (sum N).
         kv_block: keys per block (absolute positions; contract ``kv_block``).
         block_m: query rows per tile (``kernels.triton.attn_block_m``).
+        num_warps, num_stages: launch constants (``kernels.triton.attn_num_warps`` / ``attn_num_stages``;
+            the warps fix the row reductions' layout, so they are contract constants).
 
     Returns:
         ``[N, Hq, D]`` in ``q.dtype``; scale ``1/sqrt(D)``.
@@ -98,10 +120,11 @@ def attention(q: torch.Tensor, kv: list[tuple[torch.Tensor, torch.Tensor]], star
         q_row0 += n
         kv_off += k.shape[0]
     meta_t = torch.tensor(meta, dtype=torch.int32).to(q.device, non_blocking=True)
-    _attn_kernel[(len(meta), hkv)](q, K, V, out, meta_t, 1.0 / math.sqrt(d),
+    # no FMA contraction: the unmasked and the masked block loops must round every step alike
+    _attn_kernel[(len(meta), hkv)](q, K, V, out, meta_t, LOG2E / math.sqrt(d),
                                    q.stride(0), q.stride(1), K.stride(0), K.stride(1), out.stride(0), out.stride(1),
                                    GROUP=group, D=d, BM=block_m, BN=kv_block, PREC=DOT_PRECISION,
-                                   num_warps=4 if d <= 64 else 8, num_stages=2)
+                                   num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=False)
     return out
 
 
@@ -122,8 +145,10 @@ def _ref_attention(q, starts, lengths, *kvs):
     return torch.cat(outs).to(q.dtype)
 
 
-def attention_autograd(q, kv, starts, lengths, kv_block: int, block_m: int) -> torch.Tensor:
+def attention_autograd(q, kv, starts, lengths, kv_block: int, block_m: int, num_warps: int = 8,
+                       num_stages: int = 2) -> torch.Tensor:
     """:func:`attention` whose gradient is that of a plain fp32 softmax attention."""
     flat = [t for pair in kv for t in pair]
-    return with_ref_grad(lambda qq, *f: attention(qq, list(zip(f[0::2], f[1::2])), starts, lengths, kv_block, block_m),
+    return with_ref_grad(lambda qq, *f: attention(qq, list(zip(f[0::2], f[1::2])), starts, lengths, kv_block, block_m,
+                                                  num_warps, num_stages),
                          lambda qq, *f: _ref_attention(qq, starts, lengths, *f), q, *flat)

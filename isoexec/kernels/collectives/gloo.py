@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import socket
 import tempfile
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -28,7 +29,7 @@ def _gloo_entry(rank: int, world_size: int, port: int, out_dir: str, fn, args) -
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
-def run_gloo(fn, world_size: int, *args, start_method: str = "forkserver") -> list:
+def run_gloo(fn, world_size: int, *args, start_method: str = "forkserver", preload: Sequence[str] = ()) -> list:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` local processes in one gloo group
     (127.0.0.1, a free port, one intra-op thread each) and return the per-rank results.
 
@@ -36,14 +37,16 @@ def run_gloo(fn, world_size: int, *args, start_method: str = "forkserver") -> li
     default ``forkserver`` forks children from a clean server process that has pre-imported torch and
     this module once: a plain ``fork`` from a process whose OpenMP/MKL thread pools are running (any
     process that already ran torch ops, e.g. a test session) can deadlock the child, and ``spawn``
-    re-imports the package in every child (seconds each on a small CPU).
+    re-imports the package in every child (seconds each on a small CPU). ``preload`` names further
+    modules the fork server imports once; like the default list it takes effect only when this call
+    starts the process's fork server (otherwise the children import them on first use).
     """
     import multiprocessing
 
     import torch.multiprocessing as mp
 
     if start_method == "forkserver":
-        multiprocessing.get_context("forkserver").set_forkserver_preload(["torch", "torch.distributed", __name__])
+        multiprocessing.get_context("forkserver").set_forkserver_preload(["torch", "torch.distributed", __name__, *preload])
     with tempfile.TemporaryDirectory() as d:
         mp.start_processes(
             _gloo_entry, args=(world_size, _free_port(), d, fn, args), nprocs=world_size, join=True,

@@ -257,7 +257,7 @@ def pik_linear(
     x: torch.Tensor, w: torch.Tensor, leaves: int = 8, row_tile: int = 16, out_dtype: torch.dtype | None = None
 ) -> torch.Tensor:
     """Single-process reference of :func:`pik_row_parallel_linear` (TP = 1): ``x @ w.T`` as G leaf GEMMs
-    combined by the fixed tree. Not bitwise equal to :func:`~isoexec.kernels.dense.iso_linear` (one
+    combined by the fixed tree. Not bitwise equal to :func:`~isoexec.kernels.gemm.cpu.iso_linear` (one
     GEMM over all of K): ``leaves`` is a bit-relevant contract constant.
 
     Args:

@@ -5,17 +5,21 @@ token-by-token scan, and decode with a buffered open chunk and resync (DESIGN §
 Three kernels, each one compiled code path used by every case:
 
 * ``_chunk_prep`` (one program per (chunk, head), all chunks in parallel): ``G = cumsum(g)``,
-  ``A = strict_lower(beta_i (k_i.k_j) exp(G_i - G_j))``, ``T = (I + A)^-1`` by forward substitution
-  (row order fixed), ``W = T (beta exp(G) K)``, ``U0 = T (beta V)``, ``KD = K exp(G_C - G)``,
-  ``dC = exp(G_C)``. A chunk's tokens come from the input rows and/or the sequence's open-chunk
-  buffer (decode resync, chunked prefill), loaded exactly, so the same chunk gives the same bits.
+  ``A = strict_lower(beta_i (k_i.k_j) exp(G_i - G_j))``, and ``W = (I + A)^-1 (beta exp(G) K)``,
+  ``U0 = (I + A)^-1 (beta V)`` by blocked forward substitution over blocks of 16 rows (the diagonal
+  block inverted by row substitution, earlier blocks' rows subtracted with dots; block order fixed),
+  ``KD = K exp(G_C - G)``, ``dC = exp(G_C)``. A chunk's tokens come from the input rows and/or the
+  sequence's open-chunk buffer (decode resync, chunked prefill), loaded exactly, so the same chunk
+  gives the same bits.
 * ``_state_chain`` (one program per (sequence, head, Dv block), sequential over that sequence's
   complete chunks): ``S_{c+1} = dC S_c + KD^T (U0 - W S_c)`` in fp32 storage with ``tf32`` dots.
   It is written in Triton (no batched cuBLAS GEMM whose algorithm depends on the batch count).
-* ``_scan`` (one program per (segment, head, Dv block)): the plain recurrence
-  ``S *= exp(g); u = beta (v - k^T S); S += k u^T; o = S^T q / sqrt(Dk)`` token by token from the
-  segment's start state (the entry state of its chunk, or the running state). Trainer and prefill
-  scan every chunk's new tokens as one segment each; decode scans one token per sequence.
+* ``_scan`` (one program per (segment, head, Dv block)): the recurrence token by token from the
+  segment's start state (the entry state of its chunk, or the running state), in one pass over the
+  state per token: ``a = exp(g); u = beta (v - a S^T k); o = (a S^T q + (q.k) u) / sqrt(Dk);
+  S = a S + k u^T`` (the same function as ``S *= a; u = beta (v - S^T k); S += k u^T; o = S^T q``).
+  Trainer and prefill scan every chunk's new tokens as one segment each; decode scans one token per
+  sequence.
 
 Decode keeps per sequence (a slot of a :class:`StatePool`): the fp32 entry state of the open chunk,
 the running state and the raw (k, v, g, beta) of the open chunk. When a chunk completes, the state
@@ -43,50 +47,87 @@ def constants(chunk_size: int, cfg) -> dict:
 
 
 @triton.jit
-def _chunk_prep(k_ptr, v_ptr, g_ptr, b_ptr, bk_ptr, bv_ptr, bg_ptr, bb_ptr, meta_ptr,
-                w_ptr, u_ptr, kd_ptr, dc_ptr, H,
-                C: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, PREC: tl.constexpr):
-    j = tl.program_id(0)
-    h = tl.program_id(1)
-    in_row0 = tl.load(meta_ptr + j * 3 + 0)
-    nb = tl.load(meta_ptr + j * 3 + 1)
-    slot = tl.load(meta_ptr + j * 3 + 2).to(tl.int64)
-    t = tl.arange(0, C)
+def _prep_block_rows(k_ptr, v_ptr, g_ptr, b_ptr, bk_ptr, bv_ptr, bg_ptr, bb_ptr, in_row0, nb, slot, h, H, t0,
+                     BT: tl.constexpr, C: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, LOAD_V: tl.constexpr):
+    """Rows ``t0 .. t0+BT`` of a chunk: from the open-chunk buffer for ``t < nb``, else from the input rows."""
+    t = t0 + tl.arange(0, BT)
     dk = tl.arange(0, DK)
-    dv = tl.arange(0, DV)
     from_buf = t < nb
     row = (in_row0 + t).to(tl.int64)
     brow = slot * C + t  # buffer row (slot-major [P, C, H, D])
     k_in = tl.load(k_ptr + (row * H + h)[:, None] * DK + dk[None, :], mask=~from_buf[:, None], other=0.0)
     k_bf = tl.load(bk_ptr + (brow * H + h)[:, None] * DK + dk[None, :], mask=from_buf[:, None], other=0.0)
     k = tl.where(from_buf[:, None], k_bf, k_in)
-    v_in = tl.load(v_ptr + (row * H + h)[:, None] * DV + dv[None, :], mask=~from_buf[:, None], other=0.0)
-    v_bf = tl.load(bv_ptr + (brow * H + h)[:, None] * DV + dv[None, :], mask=from_buf[:, None], other=0.0)
-    v = tl.where(from_buf[:, None], v_bf, v_in)
     g = tl.where(from_buf, tl.load(bg_ptr + brow * H + h, mask=from_buf, other=0.0),
                  tl.load(g_ptr + row * H + h, mask=~from_buf, other=0.0))
     beta = tl.where(from_buf, tl.load(bb_ptr + brow * H + h, mask=from_buf, other=0.0),
                     tl.load(b_ptr + row * H + h, mask=~from_buf, other=0.0))
-    G = tl.cumsum(g, axis=0)
-    kk = tl.dot(k, tl.trans(k), input_precision=PREC)
-    # AT[j, i] = A[i, j] = beta_i (k_i . k_j) exp(G_i - G_j) for i > j (A transposed, so that the
-    # forward substitution below needs no layout conversion: row i of A is column i of AT).
-    upper = t[None, :] > t[:, None]
-    diff = tl.where(upper, G[None, :] - G[:, None], 0.0)
-    AT = tl.where(upper, beta[None, :] * kk * tl.exp(diff), 0.0)
-    T = tl.where(t[:, None] == t[None, :], 1.0, 0.0)
-    for i in range(1, C):
-        a_i = tl.sum(tl.where(t[None, :] == i, AT, 0.0), axis=1)  # A[i, j] indexed by j (rows of T)
-        contrib = tl.sum(a_i[:, None] * T, axis=0)  # sum_j A[i, j] T[j, :]
-        T = tl.where(t[:, None] == i, T - contrib[None, :], T)
-    gl = tl.sum(tl.where(t == C - 1, G, 0.0), axis=0)
-    w = tl.dot(T, k * (beta * tl.exp(G))[:, None], input_precision=PREC)
-    u = tl.dot(T, v * beta[:, None], input_precision=PREC)
-    kd = k * tl.exp(gl - G)[:, None]
+    if LOAD_V:
+        dv = tl.arange(0, DV)
+        v_in = tl.load(v_ptr + (row * H + h)[:, None] * DV + dv[None, :], mask=~from_buf[:, None], other=0.0)
+        v_bf = tl.load(bv_ptr + (brow * H + h)[:, None] * DV + dv[None, :], mask=from_buf[:, None], other=0.0)
+        v = tl.where(from_buf[:, None], v_bf, v_in)
+    else:
+        v = k
+    return k, v, g, beta
+
+
+@triton.jit
+def _chunk_prep(k_ptr, v_ptr, g_ptr, b_ptr, bk_ptr, bv_ptr, bg_ptr, bb_ptr, meta_ptr,
+                w_ptr, u_ptr, kd_ptr, dc_ptr, H,
+                C: tl.constexpr, BT: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, PREC: tl.constexpr):
+    j = tl.program_id(0)
+    h = tl.program_id(1)
+    in_row0 = tl.load(meta_ptr + j * 3 + 0)
+    nb = tl.load(meta_ptr + j * 3 + 1)
+    slot = tl.load(meta_ptr + j * 3 + 2).to(tl.int64)
+    tc = tl.arange(0, C)
+    tb = tl.arange(0, BT)
+    dk = tl.arange(0, DK)
+    dv = tl.arange(0, DV)
+    # decay totals of the whole chunk: G of row t = (sum of g over earlier blocks) + (in-block cumsum)
+    from_buf = tc < nb
+    rowc = (in_row0 + tc).to(tl.int64)
+    g_all = tl.where(from_buf, tl.load(bg_ptr + (slot * C + tc) * H + h, mask=from_buf, other=0.0),
+                     tl.load(g_ptr + rowc * H + h, mask=~from_buf, other=0.0))
+    gl = tl.sum(g_all, axis=0)
     base = (j * H + h).to(tl.int64) * C
-    tl.store(w_ptr + (base + t)[:, None] * DK + dk[None, :], w)
-    tl.store(kd_ptr + (base + t)[:, None] * DK + dk[None, :], kd)
-    tl.store(u_ptr + (base + t)[:, None] * DV + dv[None, :], u)
+    eye = tb[:, None] == tb[None, :]
+    # blocked forward substitution of (I + A) [W | U] = [beta e^G K | beta V], A strictly lower,
+    # A[t, s] = beta_t (k_t . k_s) exp(G_t - G_s); blocks of BT rows, block i after blocks 0..i-1
+    for i in range(0, C // BT):
+        t0 = i * BT
+        k_i, v_i, g_i, b_i = _prep_block_rows(k_ptr, v_ptr, g_ptr, b_ptr, bk_ptr, bv_ptr, bg_ptr, bb_ptr, in_row0, nb,
+                                              slot, h, H, t0, BT, C, DK, DV, True)
+        pre_i = tl.sum(tl.where(tc < t0, g_all, 0.0), axis=0)
+        G_i = pre_i + tl.cumsum(g_i, axis=0)
+        xw = k_i * (b_i * tl.exp(G_i))[:, None]
+        xu = v_i * b_i[:, None]
+        for jb in range(0, i):
+            s0 = jb * BT
+            k_j, _, g_j, _ = _prep_block_rows(k_ptr, v_ptr, g_ptr, b_ptr, bk_ptr, bv_ptr, bg_ptr, bb_ptr, in_row0, nb,
+                                              slot, h, H, s0, BT, C, DK, DV, False)
+            G_j = tl.sum(tl.where(tc < s0, g_all, 0.0), axis=0) + tl.cumsum(g_j, axis=0)
+            a_ij = b_i[:, None] * tl.dot(k_i, tl.trans(k_j), input_precision=PREC) * tl.exp(G_i[:, None] - G_j[None, :])
+            w_j = tl.load(w_ptr + (base + s0 + tb)[:, None] * DK + dk[None, :])
+            u_j = tl.load(u_ptr + (base + s0 + tb)[:, None] * DV + dv[None, :])
+            xw = xw - tl.dot(a_ij, w_j, input_precision=PREC)
+            xu = xu - tl.dot(a_ij, u_j, input_precision=PREC)
+        # T_ii = (I + A_ii)^-1 by forward substitution over the BT rows (transposed: row r of A_ii = column r of AT)
+        kk = tl.dot(k_i, tl.trans(k_i), input_precision=PREC)
+        upper = tb[None, :] > tb[:, None]
+        AT = tl.where(upper, b_i[None, :] * kk * tl.exp(tl.where(upper, G_i[None, :] - G_i[:, None], 0.0)), 0.0)
+        T = tl.where(eye, 1.0, 0.0)
+        for r in range(1, BT):
+            a_r = tl.sum(tl.where(tb[None, :] == r, AT, 0.0), axis=1)
+            contrib = tl.sum(a_r[:, None] * T, axis=0)
+            T = tl.where(tb[:, None] == r, T - contrib[None, :], T)
+        w_i = tl.dot(T, xw, input_precision=PREC)
+        u_i = tl.dot(T, xu, input_precision=PREC)
+        tl.store(w_ptr + (base + t0 + tb)[:, None] * DK + dk[None, :], w_i)
+        tl.store(u_ptr + (base + t0 + tb)[:, None] * DV + dv[None, :], u_i)
+        tl.store(kd_ptr + (base + t0 + tb)[:, None] * DK + dk[None, :], k_i * tl.exp(gl - G_i)[:, None])
+        tl.debug_barrier()  # block i's W, U rows are read back by the next blocks
     tl.store(dc_ptr + j * H + h, tl.exp(gl))
 
 
@@ -134,19 +175,33 @@ def _scan(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, o_ptr, run_ptr, e_ptr, f_ptr, meta_
     s_run = tl.load(run_ptr + (src_idx * H + h) * DK * DV + s_offs, mask=src_kind == 1, other=0.0)
     s_ent = tl.load(e_ptr + (src_idx * H + h) * DK * DV + s_offs, mask=src_kind == 2, other=0.0)
     S = tl.where(src_kind == 1, s_run, tl.where(src_kind == 2, s_ent, 0.0))
+    # token i+1's inputs are loaded while token i is computed (they do not depend on the state)
+    r = row0.to(tl.int64) * H + h
+    has = L > 0
+    kn = tl.load(k_ptr + r * DK + dk, mask=has, other=0.0)
+    qn = tl.load(q_ptr + r * DK + dk, mask=has, other=0.0)
+    vn = tl.load(v_ptr + r * DV + cols, mask=has, other=0.0)
+    gn = tl.load(g_ptr + r, mask=has, other=0.0)
+    bn = tl.load(b_ptr + r, mask=has, other=0.0)
     for i in range(0, L):
-        r = (row0 + i).to(tl.int64) * H + h
-        kt = tl.load(k_ptr + r * DK + dk)
-        qt = tl.load(q_ptr + r * DK + dk) * scale
-        vt = tl.load(v_ptr + r * DV + cols)
-        gt = tl.load(g_ptr + r)
-        bt = tl.load(b_ptr + r)
-        S = S * tl.exp(gt)
-        kv = tl.sum(kt[:, None] * S, axis=0)
-        u = (vt - kv) * bt
-        S = S + kt[:, None] * u[None, :]
-        o = tl.sum(qt[:, None] * S, axis=0)
-        tl.store(o_ptr + r * DV + cols, o)
+        kt, qt, vt, gt, bt = kn, qn, vn, gn, bn
+        rt = r
+        r = r + H
+        nxt = i + 1 < L
+        kn = tl.load(k_ptr + r * DK + dk, mask=nxt, other=0.0)
+        qn = tl.load(q_ptr + r * DK + dk, mask=nxt, other=0.0)
+        vn = tl.load(v_ptr + r * DV + cols, mask=nxt, other=0.0)
+        gn = tl.load(g_ptr + r, mask=nxt, other=0.0)
+        bn = tl.load(b_ptr + r, mask=nxt, other=0.0)
+        # S' = a S + k u^T with u = beta (v - a S^T k); o = S'^T q = a S^T q + (q.k) u (one pass over S)
+        a = tl.exp(gt)
+        ks = tl.sum(kt[:, None] * S, axis=0)
+        qs = tl.sum(qt[:, None] * S, axis=0)
+        qk = tl.sum(qt * kt, axis=0)
+        u = (vt - a * ks) * bt
+        S = S * a + kt[:, None] * u[None, :]
+        o = (a * qs + qk * u) * scale
+        tl.store(o_ptr + rt * DV + cols, o)
     if dst_kind == 1:
         tl.store(run_ptr + (dst_idx * H + h) * DK * DV + s_offs, S)
     if dst_kind == 2:
@@ -319,7 +374,8 @@ def cpr_gdn(q, k, v, g, beta, lengths: list[int], states: list, chunk_size: int,
         U = torch.empty((n_prep, H, C, DV), **f32)
         dC = torch.empty((n_prep, H), **f32)
         _chunk_prep[(n_prep, H)](k, v, g, beta, *bufs, m_prep, W, U, KD, dC, H,
-                                 C=C, DK=DK, DV=DV, PREC=cfg.gdn_dot_precision, num_warps=cfg.gdn_prep_warps)
+                                 C=C, BT=min(C, 16), DK=DK, DV=DV, PREC=cfg.gdn_dot_precision,
+                                 num_warps=cfg.gdn_prep_warps)
         entry = pool.entry if pool is not None else dummy
         _state_chain[(n_chain, H, DV // cfg.gdn_chain_bv)](entry, W, U, KD, dC, E, m_chain, H, C=C, DK=DK, DV=DV,
                                                            BV=cfg.gdn_chain_bv, PREC=cfg.gdn_dot_precision,
@@ -393,7 +449,8 @@ def _decode_step(q, k, v, g, beta, states, pool: StatePool, C: int, cfg):
         dC = torch.empty((nd, H), **f32)
         E = torch.empty((nd, H, DK, DV), **f32)
         _chunk_prep[(nd, H)](k, v, g, beta, pool.bk, pool.bv, pool.bg, pool.bb, m_prep, W, U, KD, dC, H,
-                             C=C, DK=DK, DV=DV, PREC=cfg.gdn_dot_precision, num_warps=cfg.gdn_prep_warps)
+                             C=C, BT=min(C, 16), DK=DK, DV=DV, PREC=cfg.gdn_dot_precision,
+                                 num_warps=cfg.gdn_prep_warps)
         _state_chain[(nd, H, DV // cfg.gdn_chain_bv)](pool.entry, W, U, KD, dC, E, m_chain, H, C=C, DK=DK, DV=DV,
                                                       BV=cfg.gdn_chain_bv, PREC=cfg.gdn_dot_precision,
                                                       num_warps=cfg.gdn_chain_warps)

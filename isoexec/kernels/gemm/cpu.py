@@ -1,27 +1,72 @@
-"""Batch-invariant GEMM on CPU (regions ``attn.qkv_proj``, ``attn.out_proj``, ``gdn.in_proj``,
-``gdn.out_proj``, ``lm_head`` and the MoE GEMMs): every call runs through
-:func:`~isoexec.kernels.primitives.tile_mm` in fp32 with a fixed row tile, rounded once to the
-boundary dtype (logits stay fp32)."""
+"""Batch- and parallel-invariant GEMM on CPU. Every GEMM runs through
+:func:`~isoexec.kernels.primitives.tile_mm` in fp32 with a fixed row tile and is rounded once to the
+boundary dtype (logits stay fp32); two forms, so that a tensor-parallel trainer reproduces the bits:
+
+* :func:`iso_linear` (column-parallel regions ``attn.qkv_proj``, ``gdn.in_proj``, ``lm_head``, the
+  router and the MoE ``gate_proj``/``up_proj``): one fixed ``[row_tile, K] @ [K, col_tile]`` GEMM per
+  tile of ``col_tile`` output features. On the project's CPUs a column's bits in such a tile depend
+  neither on its position in the tile nor on the other columns
+  (``tests/test_kernels_primitives.py``), so a rank's shard of output features, in any order, has the
+  full product's bits.
+* :func:`iso_row_linear` (row-parallel regions ``attn.out_proj``, ``gdn.out_proj``, the MoE
+  ``down_proj``): the pik leaf GEMMs (:mod:`isoexec.kernels.collectives.pik`): ``leaves`` fixed
+  contiguous leaves over K summed by a fixed tree, which a TP rank's subtree reproduces.
+"""
 
 from __future__ import annotations
 
 import torch
 
+from isoexec.kernels.collectives.pik import pik_row_parallel_partial
 from isoexec.kernels.primitives import tile_mm
 
 
-def iso_linear(x: torch.Tensor, w: torch.Tensor, row_tile: int, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """``x @ w.T`` with fp32 accumulation, batch-invariant.
+def iso_linear(x: torch.Tensor, w: torch.Tensor, row_tile: int, col_tile: int,
+               out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``x @ w.T`` with fp32 accumulation in fixed ``[row_tile, K] @ [K, col_tile]`` GEMM tiles.
+
+    Batch-invariant (a row's bits do not depend on the other rows) and column-invariant (a column's
+    bits do not depend on which other output features are computed with it).
 
     Args:
         x: ``[N, K]`` activations (bf16 or fp32).
-        w: ``[M, K]`` weight in the Hugging Face ``nn.Linear`` layout.
+        w: ``[M, K]`` weight in the Hugging Face ``nn.Linear`` layout (any M >= 0; the last column
+            tile is zero-padded).
         row_tile: rows per GEMM tile (contract constant ``row_tile``).
+        col_tile: output features per GEMM tile (contract constant ``col_tile``, >= 2: a one-column
+            GEMM takes another MKL path).
         out_dtype: output dtype; default ``x.dtype`` (the boundary dtype). ``torch.float32`` keeps
             the fp32 accumulator (used for logits).
 
     Returns:
-        ``[N, M]`` in ``out_dtype``.
+        ``[N, M]`` in ``out_dtype``. Differentiable.
     """
-    y = tile_mm(x.float(), w.float().t(), row_tile)
-    return y.to(out_dtype or x.dtype)
+    m, k = w.shape
+    wt = w.float().t()
+    pad = (-m) % col_tile
+    if pad:
+        wt = torch.cat([wt, wt.new_zeros((k, pad))], dim=1)
+    xf = x.float()
+    if m == 0:
+        return xf.new_zeros((x.shape[0], 0)).to(out_dtype or x.dtype)
+    y = torch.cat([tile_mm(xf, wt[:, c : c + col_tile].contiguous(), row_tile) for c in range(0, m + pad, col_tile)], dim=1)
+    return y[:, :m].to(out_dtype or x.dtype)
+
+
+def iso_row_linear(x: torch.Tensor, w: torch.Tensor, row_tile: int, leaves: int,
+                   out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``x @ w.T`` as the pik leaf GEMMs: bitwise equal to
+    :func:`~isoexec.kernels.collectives.pik.pik_row_parallel_linear` over K shards at every TP
+    dividing ``leaves``.
+
+    Args:
+        x: ``[N, K]``. w: ``[M, K]``. row_tile: rows per GEMM tile. leaves: fixed leaves over K (a
+            power of two dividing K). out_dtype: default ``x.dtype``.
+
+    Returns:
+        ``[N, M]`` in ``out_dtype``. Differentiable.
+
+    Raises:
+        ValueError: K not divisible by ``leaves`` or ``leaves`` not a power of two.
+    """
+    return pik_row_parallel_partial(x, w, 1, leaves, row_tile).to(out_dtype or x.dtype)

@@ -1,12 +1,27 @@
-"""Batch-invariant Triton GEMM for Hopper (regions ``*.proj``, ``moe.router``, ``moe.experts``,
+"""Batch-invariant Triton GEMMs for Hopper (regions ``*.proj``, ``moe.router``, ``moe.experts``,
 ``mlp.shared_expert``, ``lm_head``).
 
-``y[i] = x[i] @ w.T``: every output tile is computed by one program with fixed tiles
-``(BM, BN, BK)`` (contract constants, never chosen from M), the K loop runs from 0 upwards with
-fp32 accumulation, and there is no split-K. Each output element's reduction order is therefore that
-of one fixed instruction sequence, whatever the number of rows, the row's position in its tile or
-the other rows (masked rows load zeros and are never stored). The grouped variant (``moe.experts``)
-runs the same tile program over per-expert row ranges.
+Column GEMMs (:func:`linear`, :func:`grouped_linear`): ``y[i] = x[i] @ w.T``; every output tile is
+computed by one program with fixed tiles ``(BM, BN, BK)`` (contract constants, never chosen from M),
+the K loop runs from 0 upwards with fp32 accumulation, and there is no split-K. Each output element's
+reduction order is therefore that of one fixed instruction sequence, whatever the number of rows, the
+row's position in its tile or the other rows (masked rows load zeros and are never stored). The
+grouped variant (``moe.experts``) runs the same tile program over per-expert row ranges. Two program
+shapes run that same tile computation: one program per tile with pointer loads (``tiled``), or a
+persistent grid over tiles with TMA loads (``persistent_tma``); ``kernels.triton.gemm_kernel`` pins one.
+
+Leaf GEMMs (:func:`linear_leaves`, :func:`grouped_linear_leaves`, :func:`linear_leaves_partial`), the
+row-parallel regions (``attn.out_proj``, ``gdn.out_proj``, expert and shared-expert ``down_proj``) and
+the pik kernels of :mod:`isoexec.kernels.collectives.triton` (DESIGN §3, "Parallelism invariance"): K
+is cut into G fixed contiguous leaves over the *global* K; each leaf is the tile program above over its
+K/G features, from a zero accumulator; the G fp32 leaf partials are added by the fixed binary tree that
+pairs adjacent nodes, ``((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7))``, and rounded once. A program either
+reduces a whole aligned subtree of leaves in registers (a binary counter: the node finished at leaf j
+is kept at level ``l`` while bit ``l`` of j is 0, and added to its left sibling when it is 1) or runs
+one leaf and leaves the upper levels to :func:`tree_combine`; both add the same fp32 numbers in the same
+order, so the launch (``kernels.triton.pik_split_rows``) does not change bits. A TP rank holding K/tp
+features reduces its subtree of G/tp leaves with the same code, hence every TP dividing G gives the
+same bits.
 """
 
 from __future__ import annotations
@@ -61,36 +76,183 @@ def _gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, 
              mask=rmask[:, None] & cmask[None, :])
 
 
-def tiles_for(cfg, dtype: torch.dtype) -> tuple[int, int, int, int, int]:
-    """(BM, BN, BK, num_warps, num_stages) pinned by ``cfg`` (``isoexec.config.TritonSection``) for inputs of ``dtype``.
+@triton.jit(do_not_specialize=["M"])
+def _gemm_tma_kernel(x_desc, w_desc, y_ptr, M, N, K, stride_ym,
+                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GM: tl.constexpr,
+                     NUM_SMS: tl.constexpr, PREC: tl.constexpr):
+    start = tl.program_id(0)
+    n_tm = tl.cdiv(M, BM)
+    n_tn = tl.cdiv(N, BN)
+    n_tiles = n_tm * n_tn
+    width = GM * n_tn
+    for tile in tl.range(start, n_tiles, NUM_SMS, flatten=True):
+        gid = tile // width
+        first = gid * GM
+        gsz = tl.minimum(n_tm - first, GM)
+        pid_m = first + (tile % width) % gsz
+        pid_n = (tile % width) // gsz
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            a = x_desc.load([pid_m * BM, k0])  # out-of-range rows and K columns read as zeros
+            b = w_desc.load([pid_n * BN, k0])
+            acc = tl.dot(a, b.T, acc, input_precision=PREC)
+        rows = pid_m * BM + tl.arange(0, BM)
+        cols = pid_n * BN + tl.arange(0, BN)
+        tl.store(y_ptr + rows.to(tl.int64)[:, None] * stride_ym + cols[None, :], acc.to(y_ptr.dtype.element_ty),
+                 mask=(rows < M)[:, None] & (cols < N)[None, :])
+
+
+# ``kpl`` (K steps per leaf) is a run-time loop bound on purpose: with a compile-time bound of 1 the leaf
+# loop folds away, its dot starts from a literal zero, and Triton's dot-combine pattern folds the next tree
+# addition into that dot's accumulator (``dot(a, b, 0) + s -> dot(a, b, s)``), which changes the bits of the
+# in-register tree against the one-leaf-per-program launch (seen on the H200 for leaves of one 64-wide K
+# step; the sm90 TTGIR then has 3 instead of 7 tile additions for 8 leaves).
+@triton.jit(do_not_specialize=["M", "n_tiles", "kpl"])
+def _leaf_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, stride_xm, stride_wn, stride_ym, stride_we, stride_ys,
+                      tile_e_ptr, tile_r0_ptr, tile_r1_ptr, n_tiles, kpl,
+                      LEAF_K: tl.constexpr, LPP: tl.constexpr, GROUPED: tl.constexpr, BM: tl.constexpr,
+                      BN: tl.constexpr, BK: tl.constexpr, GM: tl.constexpr, PREC: tl.constexpr):
+    # program (tile, s): output tile ``tile`` summed over the subtree s of LPP leaves (K offset s*LPP*LEAF_K)
+    pid = tl.program_id(0)
+    sub = tl.program_id(1)
+    n_tn = tl.cdiv(N, BN)
+    if GROUPED:
+        pid_m = pid // n_tn
+        pid_n = pid % n_tn
+        e = tl.load(tile_e_ptr + pid_m).to(tl.int64)
+        r0 = tl.load(tile_r0_ptr + pid_m)
+        r1 = tl.load(tile_r1_ptr + pid_m)
+        w_ptr = w_ptr + e * stride_we
+    else:
+        n_tm = tl.cdiv(M, BM)
+        width = GM * n_tn
+        gid = pid // width
+        first = gid * GM
+        gsz = tl.minimum(n_tm - first, GM)
+        pid_m = first + (pid % width) % gsz
+        pid_n = (pid % width) // gsz
+        r0 = pid_m * BM
+        r1 = M
+    rows = r0 + tl.arange(0, BM)
+    cols = pid_n * BN + tl.arange(0, BN)
+    rmask = rows < r1
+    cmask = cols < N
+    rows64 = rows.to(tl.int64)
+    cols64 = cols.to(tl.int64)
+    k_base = sub * (LPP * LEAF_K)
+    s0 = tl.zeros((BM, BN), dtype=tl.float32)
+    s1 = tl.zeros((BM, BN), dtype=tl.float32)
+    s2 = tl.zeros((BM, BN), dtype=tl.float32)
+    for j in tl.static_range(LPP):  # leaves unrolled: each leaf is one plain (pipelined) K loop
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for it in range(0, kpl):  # kpl = cdiv(LEAF_K, BK)
+            kl = it * BK + tl.arange(0, BK)  # K offset within the leaf
+            ks = k_base + j * LEAF_K + kl
+            kmask = kl < LEAF_K
+            a = tl.load(x_ptr + rows64[:, None] * stride_xm + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+            b = tl.load(w_ptr + cols64[None, :] * stride_wn + ks[:, None], mask=kmask[:, None] & cmask[None, :], other=0.0)
+            acc = tl.dot(a, b, acc, input_precision=PREC)
+        # leaf j complete: climb the tree while j's bit at that level is 1 (j is a compile-time constant)
+        if j % 2 == 0:
+            s0 = acc
+        else:
+            n1 = s0 + acc
+            if (j // 2) % 2 == 0:
+                s1 = n1
+            else:
+                n2 = s1 + n1
+                if (j // 4) % 2 == 0:
+                    s2 = n2
+                else:
+                    s0 = s2 + n2  # the root of 8 leaves (s0 is free again)
+    if LPP == 2:
+        res = s1
+    elif LPP == 4:
+        res = s2
+    else:
+        res = s0
+    tl.store(y_ptr + sub.to(tl.int64) * stride_ys + rows64[:, None] * stride_ym + cols64[None, :],
+             res.to(y_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
+
+
+@triton.jit
+def _tree_combine_kernel(p_ptr, y_ptr, n, stride_s, S: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    p0 = tl.load(p_ptr + offs, mask=mask, other=0.0)
+    if S == 1:
+        r = p0
+    else:
+        p1 = tl.load(p_ptr + stride_s + offs, mask=mask, other=0.0)
+        r = p0 + p1
+        if S >= 4:
+            p2 = tl.load(p_ptr + 2 * stride_s + offs, mask=mask, other=0.0)
+            p3 = tl.load(p_ptr + 3 * stride_s + offs, mask=mask, other=0.0)
+            r = r + (p2 + p3)
+        if S == 8:
+            p4 = tl.load(p_ptr + 4 * stride_s + offs, mask=mask, other=0.0)
+            p5 = tl.load(p_ptr + 5 * stride_s + offs, mask=mask, other=0.0)
+            p6 = tl.load(p_ptr + 6 * stride_s + offs, mask=mask, other=0.0)
+            p7 = tl.load(p_ptr + 7 * stride_s + offs, mask=mask, other=0.0)
+            r = r + ((p4 + p5) + (p6 + p7))
+    tl.store(y_ptr + offs, r.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+# ------------------------------------------------------------------------------------- constants
+def tiles_for(cfg, dtype: torch.dtype, leaf: bool = False) -> tuple[int, int, int, int, int]:
+    """(BM, BN, BK, num_warps, num_stages) pinned by ``cfg`` (``isoexec.config.TritonSection``) for inputs
+    of ``dtype``; ``leaf`` selects the leaf GEMM's tiles (``pik_gemm_*``).
 
     Raises:
         ValueError: no tiles are pinned for ``dtype`` (allowed: bfloat16, float16, float32).
     """
+    pre = "pik_gemm_" if leaf else "gemm_"
     if dtype in (torch.bfloat16, torch.float16):
-        return tuple(cfg.gemm_bfloat16)
+        return tuple(getattr(cfg, pre + "bfloat16"))
     if dtype == torch.float32:
-        return tuple(cfg.gemm_float32)
+        return tuple(getattr(cfg, pre + "float32"))
     raise ValueError(f"no GEMM tiles pinned for {dtype}; allowed: bfloat16, float16, float32")
 
 
 def constants(cfg, dtype: torch.dtype) -> dict:
-    """The GEMM's contract constants for inputs of ``dtype`` (recorded in the composition)."""
+    """The column GEMM's contract constants for inputs of ``dtype`` (recorded in the composition)."""
     bm, bn, bk, nw, ns = tiles_for(cfg, dtype)
     return {"tile_m": bm, "tile_n": bn, "tile_k": bk, "num_warps": nw, "num_stages": ns, "group_m": cfg.gemm_group_m,
-            "dot_precision": DOT_PRECISION, "split_k": 1, "k_order": "ascending", "autotune": False}
+            "dot_precision": DOT_PRECISION, "split_k": 1, "k_order": "ascending", "autotune": False,
+            "program": cfg.gemm_kernel if dtype != torch.float32 else "tiled"}
+
+
+def leaf_constants(cfg, dtype: torch.dtype, leaves: int) -> dict:
+    """The leaf GEMM's contract constants for inputs of ``dtype`` with ``leaves`` leaves. The launch
+    (``pik_split_rows``) is left out: it moves no bit (the test named in the composition proves it)."""
+    bm, bn, bk, nw, ns = tiles_for(cfg, dtype, leaf=True)
+    return {"tile_m": bm, "tile_n": bn, "tile_k": bk, "num_warps": nw, "num_stages": ns, "group_m": cfg.gemm_group_m,
+            "dot_precision": DOT_PRECISION, "leaves": leaves, "leaf_tree": "adjacent_pairs", "leaf_acc": "float32",
+            "k_order": "ascending_within_leaf", "autotune": False}
 
 
 def _contig_k(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+_NUM_SMS: dict = {}
+
+
+def _num_sms(device) -> int:
+    idx = torch.device(device).index or 0
+    if idx not in _NUM_SMS:
+        _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _NUM_SMS[idx]
+
+
+# ------------------------------------------------------------------------------------ column GEMM
 def linear(x: torch.Tensor, w: torch.Tensor, cfg, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``x @ w.T``, batch-invariant.
 
     Args:
         x: ``[M, K]`` (bf16 / fp16 / fp32, CUDA). w: ``[N, K]`` (``nn.Linear`` layout; cast to x's dtype).
-        cfg: ``isoexec.config.TritonSection`` (the tiles, :func:`tiles_for`).
+        cfg: ``isoexec.config.TritonSection`` (the tiles, :func:`tiles_for`, and the program shape
+            ``gemm_kernel``; fp32 inputs always run the tiled program).
         out_dtype: output dtype (default ``x.dtype``; fp32 keeps the accumulator, e.g. for logits).
 
     Returns:
@@ -104,11 +266,36 @@ def linear(x: torch.Tensor, w: torch.Tensor, cfg, out_dtype: torch.dtype | None 
     if M == 0:
         return y
     BM, BN, BK, nw, ns = tiles_for(cfg, x.dtype)
+    if cfg.gemm_kernel == "persistent_tma" and x.dtype != torch.float32:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        if (K * x.element_size()) % 16 or x.data_ptr() % 16 or w.data_ptr() % 16:
+            raise ValueError(f"persistent_tma GEMM needs 16-byte aligned rows and bases, got K={K} ({x.dtype})")
+        n_tiles = triton.cdiv(M, BM) * triton.cdiv(N, BN)
+        sms = _num_sms(x.device)
+        _gemm_tma_kernel[(min(sms, n_tiles),)](
+            TensorDescriptor.from_tensor(x, [BM, BK]), TensorDescriptor.from_tensor(w, [BN, BK]), y, M, N, K, y.stride(0),
+            BM=BM, BN=BN, BK=BK, GM=cfg.gemm_group_m, NUM_SMS=sms, PREC=DOT_PRECISION, num_warps=nw, num_stages=ns)
+        return y
     grid = (triton.cdiv(M, BM) * triton.cdiv(N, BN),)
     _gemm_kernel[grid](x, w, y, M, N, K, x.stride(0), w.stride(0), y.stride(0), 0, x, x, x, 0,
                        GROUPED=False, BM=BM, BN=BN, BK=BK, GM=cfg.gemm_group_m, PREC=DOT_PRECISION,
                        num_warps=nw, num_stages=ns)
     return y
+
+
+def _group_tiles(counts: list[int], bm: int, device) -> tuple[torch.Tensor, int]:
+    te, t0, t1 = [], [], []
+    r = 0
+    for e, c in enumerate(counts):
+        for s in range(0, c, bm):
+            te.append(e)
+            t0.append(r + s)
+            t1.append(r + c)
+        r += c
+    if not te:
+        return None, 0
+    return torch.tensor([te, t0, t1], dtype=torch.int32).to(device, non_blocking=True), len(te)
 
 
 def grouped_linear(x: torch.Tensor, w: torch.Tensor, counts: list[int], cfg,
@@ -121,7 +308,7 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, counts: list[int], cfg,
 
     Returns:
         ``[R, N]``; each row depends only on itself and its expert's weight (same tile program as
-        :func:`linear`, so the same per-row order whatever the expert's row count).
+        the tiled :func:`linear`, so the same per-row order whatever the expert's row count).
     """
     x = _contig_k(x)
     w = w.to(x.dtype).contiguous()
@@ -129,32 +316,172 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, counts: list[int], cfg,
     E, N, _ = w.shape
     y = torch.empty((R, N), device=x.device, dtype=out_dtype or x.dtype)
     BM, BN, BK, nw, ns = tiles_for(cfg, x.dtype)
-    te, t0, t1 = [], [], []
-    r = 0
-    for e, c in enumerate(counts):
-        for s in range(0, c, BM):
-            te.append(e)
-            t0.append(r + s)
-            t1.append(r + c)
-        r += c
-    if not te:
+    meta, n_t = _group_tiles(counts, BM, x.device)
+    if not n_t:
         return y
-    meta = torch.tensor([te, t0, t1], dtype=torch.int32).to(x.device, non_blocking=True)
-    grid = (len(te) * triton.cdiv(N, BN),)
+    grid = (n_t * triton.cdiv(N, BN),)
     _gemm_kernel[grid](x, w, y, R, N, K, x.stride(0), w.stride(1), y.stride(0), w.stride(0), meta[0], meta[1], meta[2],
-                       len(te), GROUPED=True, BM=BM, BN=BN, BK=BK, GM=cfg.gemm_group_m, PREC=DOT_PRECISION,
+                       n_t, GROUPED=True, BM=BM, BN=BN, BK=BK, GM=cfg.gemm_group_m, PREC=DOT_PRECISION,
                        num_warps=nw, num_stages=ns)
     return y
+
+
+# -------------------------------------------------------------------------------------- leaf GEMM
+def _check_leaves(K: int, leaves: int) -> int:
+    if leaves < 1 or leaves & (leaves - 1) or leaves > 8:
+        raise ValueError(f"leaves must be a power of two in 1..8 (fixed binary tree of the leaf GEMM), got leaves={leaves}")
+    if K % leaves:
+        raise ValueError(f"K={K} is not divisible by leaves={leaves}: the leaves are equal contiguous K ranges")
+    return K // leaves
+
+
+def tree_combine(parts: torch.Tensor, out_dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Sum ``parts[0..S)`` by the fixed adjacent-pairs binary tree in fp32 and round once to ``out_dtype``.
+
+    Args:
+        parts: ``[S, ...]`` fp32 partials (S in {1, 2, 4, 8}), contiguous.
+        out_dtype: output dtype. out: optional preallocated output of shape ``parts.shape[1:]``.
+
+    Returns:
+        ``parts.shape[1:]`` in ``out_dtype``: ``((p0+p1)+(p2+p3))+((p4+p5)+(p6+p7))`` for S = 8, the same
+        tree truncated for S < 8.
+
+    Raises:
+        ValueError: S not in {1, 2, 4, 8} or parts not fp32.
+    """
+    S = parts.shape[0]
+    if S not in (1, 2, 4, 8) or parts.dtype != torch.float32:
+        raise ValueError(f"tree_combine needs fp32 parts [S, ...] with S in 1, 2, 4, 8; got {S} parts of {parts.dtype}")
+    parts = parts.contiguous()
+    y = out if out is not None else torch.empty(parts.shape[1:], device=parts.device, dtype=out_dtype)
+    n = y.numel()
+    if n:
+        block = 2048
+        _tree_combine_kernel[(triton.cdiv(n, block),)](parts, y, n, parts[0].numel(), S=S, BLOCK=block, num_warps=8)
+    return y
+
+
+def _launch_leaves(x, w, y, counts, cfg, leaf_k: int, lpp: int, n_sub: int):
+    """One leaf-GEMM launch: programs (tile, subtree) over ``n_sub`` subtrees of ``lpp`` leaves; y is
+    ``[n_sub, R, N]`` (or ``[R, N]`` when n_sub == 1)."""
+    BM, BN, BK, nw, ns = tiles_for(cfg, x.dtype, leaf=True)
+    R = x.shape[0]
+    N = w.shape[-2]
+    stride_ys = R * N
+    if counts is None:
+        grid = (triton.cdiv(R, BM) * triton.cdiv(N, BN), n_sub)
+        _leaf_gemm_kernel[grid](x, w, y, R, N, x.stride(0), w.stride(0), N, 0, stride_ys, x, x, x, 0, triton.cdiv(leaf_k, BK),
+                                LEAF_K=leaf_k, LPP=lpp, GROUPED=False, BM=BM, BN=BN, BK=BK, GM=cfg.gemm_group_m,
+                                PREC=DOT_PRECISION, num_warps=nw, num_stages=ns)
+        return
+    meta, n_t = _group_tiles(counts, BM, x.device)
+    if not n_t:
+        return
+    grid = (n_t * triton.cdiv(N, BN), n_sub)
+    _leaf_gemm_kernel[grid](x, w, y, R, N, x.stride(0), w.stride(1), N, w.stride(0), stride_ys, meta[0], meta[1], meta[2],
+                            n_t, triton.cdiv(leaf_k, BK), LEAF_K=leaf_k, LPP=lpp, GROUPED=True, BM=BM, BN=BN, BK=BK, GM=cfg.gemm_group_m,
+                            PREC=DOT_PRECISION, num_warps=nw, num_stages=ns)
+
+
+def _leaves(x, w, counts, cfg, leaves, out_dtype, split: bool | None):
+    x = _contig_k(x)
+    w = w.to(x.dtype).contiguous()
+    R, K = x.shape
+    N = w.shape[-2]
+    leaf_k = _check_leaves(K, leaves)
+    od = out_dtype or x.dtype
+    if split is None:
+        split = R <= cfg.pik_split_rows
+    if R == 0:
+        return torch.empty((R, N), device=x.device, dtype=od)
+    if split and leaves > 1:
+        parts = torch.zeros((leaves, R, N), device=x.device, dtype=torch.float32) if counts is not None else \
+            torch.empty((leaves, R, N), device=x.device, dtype=torch.float32)
+        _launch_leaves(x, w, parts, counts, cfg, leaf_k, 1, leaves)
+        return tree_combine(parts, od)
+    y = torch.zeros((R, N), device=x.device, dtype=od) if counts is not None else torch.empty((R, N), device=x.device, dtype=od)
+    _launch_leaves(x, w, y, counts, cfg, leaf_k, leaves, 1)
+    return y
+
+
+def linear_leaves(x: torch.Tensor, w: torch.Tensor, cfg, leaves: int, out_dtype: torch.dtype | None = None,
+                  split: bool | None = None) -> torch.Tensor:
+    """``x @ w.T`` of a row-parallel region as ``leaves`` leaf GEMMs added by the fixed tree (pik at TP=1).
+
+    Bitwise equal to :func:`isoexec.kernels.collectives.triton.pik_row_parallel_linear` over K shards at
+    every TP dividing ``leaves``; batch-invariant (row i depends only on ``x[i]`` and ``w``).
+
+    Args:
+        x: ``[M, K]`` (bf16 / fp16 / fp32, CUDA). w: ``[N, K]`` (``nn.Linear`` layout; cast to x's dtype).
+        cfg: ``isoexec.config.TritonSection`` (``pik_gemm_*`` tiles, ``pik_split_rows``).
+        leaves: G, a power of two in 1..8 dividing K (contract constant ``kernels.leaves``).
+        out_dtype: output dtype (default ``x.dtype``); the fp32 tree sum is rounded once.
+        split: force the one-leaf-per-program launch (True) or the in-register tree (False); None picks
+            by ``M <= cfg.pik_split_rows``. The bits are the same either way.
+
+    Returns:
+        ``[M, N]`` in ``out_dtype``.
+
+    Raises:
+        ValueError: ``leaves`` not a power of two in 1..8, or K not divisible by ``leaves``.
+    """
+    return _leaves(x, w, None, cfg, leaves, out_dtype, split)
+
+
+def grouped_linear_leaves(x: torch.Tensor, w: torch.Tensor, counts: list[int], cfg, leaves: int,
+                          out_dtype: torch.dtype | None = None, split: bool | None = None) -> torch.Tensor:
+    """:func:`grouped_linear` of a row-parallel region (expert ``down_proj``) as leaf GEMMs.
+
+    Args:
+        x: ``[R, K]`` rows sorted by expert. w: ``[E, N, K]``. counts: rows per expert (host ints, sum R).
+        cfg, leaves, out_dtype, split: as in :func:`linear_leaves`.
+
+    Returns:
+        ``[R, N]``; each row bitwise equal to :func:`linear_leaves` of that row with its expert's weight.
+    """
+    return _leaves(x, w, counts, cfg, leaves, out_dtype, split)
+
+
+def linear_leaves_partial(x_shard: torch.Tensor, w_shard: torch.Tensor, cfg, leaves_local: int,
+                          out: torch.Tensor | None = None) -> torch.Tensor:
+    """One TP rank's subtree sum of a row-parallel GEMM, fp32, in one launch (no communication).
+
+    Args:
+        x_shard: ``[M, K/tp]`` the rank's contiguous K slice. w_shard: ``[N, K/tp]`` the same slice of the weight.
+        cfg: ``isoexec.config.TritonSection``. leaves_local: G/tp, the leaves this rank owns.
+        out: optional fp32 ``[M, N]`` to write into (e.g. this rank's slot of the all-gather buffer).
+
+    Returns:
+        ``[M, N]`` fp32: the rank's ``leaves_local`` leaf partials added in the tree order.
+    """
+    x = _contig_k(x_shard)
+    w = w_shard.to(x.dtype).contiguous()
+    leaf_k = _check_leaves(x.shape[1], leaves_local)
+    y = out if out is not None else torch.empty((x.shape[0], w.shape[0]), device=x.device, dtype=torch.float32)
+    if x.shape[0]:
+        _launch_leaves(x, w, y, None, cfg, leaf_k, leaves_local, 1)
+    return y
+
+
+# ---------------------------------------------------------------------------------------- autograd
+def _ref_linear(od):
+    def ref(a, b):
+        if od == torch.float32:
+            return F.linear(a.float(), b.float())
+        return F.linear(a, b.to(a.dtype)).to(od)
+
+    return ref
 
 
 def linear_autograd(x: torch.Tensor, w: torch.Tensor, cfg, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """:func:`linear` with a gradient (``trainer_fwd``): the forward is the Triton kernel's bits, the
     backward that of ``F.linear`` (cuBLAS) on the same inputs (:func:`~isoexec.kernels.autograd.with_ref_grad`)."""
     od = out_dtype or x.dtype
+    return with_ref_grad(lambda a, b: linear(a, b, cfg, od), _ref_linear(od), x, w)
 
-    def ref(a, b):
-        if od == torch.float32:
-            return F.linear(a.float(), b.float())
-        return F.linear(a, b.to(a.dtype)).to(od)
 
-    return with_ref_grad(lambda a, b: linear(a, b, cfg, od), ref, x, w)
+def linear_leaves_autograd(x: torch.Tensor, w: torch.Tensor, cfg, leaves: int,
+                           out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """:func:`linear_leaves` with the gradient of ``F.linear`` (the forward bits are the leaf GEMM's)."""
+    od = out_dtype or x.dtype
+    return with_ref_grad(lambda a, b: linear_leaves(a, b, cfg, leaves, od), _ref_linear(od), x, w)

@@ -2,38 +2,59 @@
 ``mlp.shared_expert``, ``moe.combine``), as in transformers' ``Qwen3NextSparseMoeBlock``: softmax
 router, top-k, optional renormalisation, SwiGLU experts, sigmoid-gated shared expert.
 
-Router and expert GEMMs are batch-invariant (:func:`~isoexec.kernels.gemm.cpu.iso_linear`), routing
-is :func:`~isoexec.kernels.moe.routing.iso_route`, expert outputs are kept per (token, routing
-rank) in fp32 and summed in routing order, then the gated shared expert is added and the sum is
-rounded once to the boundary dtype.
+Router, ``gate_proj`` and ``up_proj`` GEMMs are column-tiled (:func:`~isoexec.kernels.gemm.cpu.iso_linear`),
+``down_proj`` is the pik leaf GEMM (:func:`iso_swiglu_partial`, the same function a tensor-parallel
+trainer runs on its intermediate shard), routing is :func:`~isoexec.kernels.moe.routing.iso_route`,
+expert outputs are kept per (token, routing rank) in fp32 and summed in routing order, then the gated
+shared expert is added and the sum is rounded once to the boundary dtype.
 """
 
 from __future__ import annotations
 
 import torch
 
+from isoexec.kernels.collectives.pik import pik_row_parallel_partial
 from isoexec.kernels.gemm.cpu import iso_linear
 from isoexec.kernels.moe.routing import iso_route, routing_order_sum
 from isoexec.kernels.primitives import sigmoid, silu
 
 
-def iso_router(x: torch.Tensor, router_w: torch.Tensor, top_k: int, norm_topk_prob: bool, row_tile: int):
+def iso_router(x: torch.Tensor, router_w: torch.Tensor, top_k: int, norm_topk_prob: bool, row_tile: int,
+               col_tile: int):
     """Region ``moe.router``: ``x [N, H]`` (boundary dtype), ``router_w [E, H]``. Returns (weights
     ``[N, k]`` in ``x.dtype``, ids ``[N, k]`` int64); the logits are rounded to the boundary dtype as
     transformers' bf16 router linear does."""
-    return iso_route(iso_linear(x, router_w, row_tile), top_k, norm_topk_prob)
+    return iso_route(iso_linear(x, router_w, row_tile, col_tile), top_k, norm_topk_prob)
 
 
-def iso_swiglu(x, wg, wu, wd, row_tile: int) -> torch.Tensor:
-    """SwiGLU MLP ``down(silu(gate(x)) * up(x))`` with batch-invariant GEMMs; the product is rounded
-    to the boundary dtype before ``down`` (as transformers). Returns ``[N, H]`` in ``x.dtype``."""
-    g = iso_linear(x, wg, row_tile)
-    u = iso_linear(x, wu, row_tile)
+def iso_swiglu_partial(x, wg, wu, wd, tp: int, row_tile: int, col_tile: int, leaves: int) -> torch.Tensor:
+    """One tensor-parallel rank's share of a SwiGLU MLP ``down(silu(gate(x)) * up(x))``.
+
+    Args:
+        x: ``[N, H]`` (boundary dtype). wg, wu: ``[I/tp, H]`` the rank's rows of ``gate_proj`` /
+            ``up_proj``. wd: ``[H, I/tp]`` the same slice of ``down_proj``'s input features.
+        tp: the degree the intermediate dim is split into (1: the whole MLP).
+        row_tile, col_tile, leaves: GEMM constants (:mod:`isoexec.kernels.gemm.cpu`).
+
+    Returns:
+        ``[N, H]`` fp32: the rank's pik subtree sum of ``down_proj`` (the product ``silu(g) * u`` is
+        rounded to the boundary dtype first, as transformers). Combining the ``tp`` ranks' subtrees
+        with :func:`~isoexec.kernels.collectives.pik.pik_tree_combine` in rank order gives the bits
+        of ``tp=1``.
+    """
+    g = iso_linear(x, wg, row_tile, col_tile)
+    u = iso_linear(x, wu, row_tile, col_tile)
     h = (silu(g.float()) * u.float()).to(x.dtype)
-    return iso_linear(h, wd, row_tile)
+    return pik_row_parallel_partial(h, wd, tp, leaves, row_tile)
 
 
-def iso_experts(x: torch.Tensor, ids: torch.Tensor, experts, row_tile: int) -> torch.Tensor:
+def iso_swiglu(x, wg, wu, wd, row_tile: int, col_tile: int, leaves: int) -> torch.Tensor:
+    """SwiGLU MLP with column-tiled ``gate``/``up`` and the pik ``down`` (:func:`iso_swiglu_partial` at
+    ``tp=1``). Returns ``[N, H]`` in ``x.dtype``."""
+    return iso_swiglu_partial(x, wg, wu, wd, 1, row_tile, col_tile, leaves).to(x.dtype)
+
+
+def iso_experts(x: torch.Tensor, ids: torch.Tensor, experts, row_tile: int, col_tile: int, leaves: int) -> torch.Tensor:
     """Region ``moe.experts``: each routed (token, rank) through its expert's SwiGLU, row by row.
 
     Args:
@@ -48,14 +69,20 @@ def iso_experts(x: torch.Tensor, ids: torch.Tensor, experts, row_tile: int) -> t
         tok, rank = torch.nonzero(ids == eid, as_tuple=True)
         if tok.numel() == 0:
             continue
-        y = y.index_put((tok, rank), iso_swiglu(x[tok], wg, wu, wd, row_tile).float())
+        y = y.index_put((tok, rank), iso_swiglu(x[tok], wg, wu, wd, row_tile, col_tile, leaves).float())
     return y
 
 
-def iso_shared_expert(x: torch.Tensor, shared, gate_w: torch.Tensor, row_tile: int) -> torch.Tensor:
+def iso_shared_expert(x: torch.Tensor, shared, gate_w: torch.Tensor, row_tile: int, col_tile: int,
+                      leaves: int) -> torch.Tensor:
     """Region ``mlp.shared_expert``: ``sigmoid(x @ gate_w.T) * swiglu(x)`` in fp32, ``[N, H]``."""
-    s = iso_swiglu(x, *shared, row_tile).float()
-    return sigmoid(iso_linear(x, gate_w, row_tile).float()) * s
+    s = iso_swiglu(x, *shared, row_tile, col_tile, leaves).float()
+    return shared_expert_gate(x, gate_w, row_tile, col_tile) * s
+
+
+def shared_expert_gate(x: torch.Tensor, gate_w: torch.Tensor, row_tile: int, col_tile: int) -> torch.Tensor:
+    """The shared expert's gate ``sigmoid(x @ gate_w.T)``, ``[N, 1]`` fp32 (``gate_w [1, H]``)."""
+    return sigmoid(iso_linear(x, gate_w, row_tile, col_tile).float())
 
 
 def iso_combine(y: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, shared: torch.Tensor,

@@ -35,6 +35,44 @@ def native_experts(x, ids, experts) -> torch.Tensor:
     return y
 
 
+_STACKS: dict = {}
+
+
+def _stack(experts, which: int, dtype) -> torch.Tensor:
+    """``[E, ...]`` stack of one expert weight; without autograd cached while the weights are unchanged
+    (transformers keeps the experts fused; the per-expert parameters here are its on-disk layout)."""
+    ws = [e[which] for e in experts]
+    if torch.is_grad_enabled() and any(w.requires_grad for w in ws):
+        return torch.stack(ws).to(dtype)
+    key = (which, tuple((w.data_ptr(), w._version) for w in ws))
+    hit = _STACKS.get(which)
+    if hit is None or hit[0] != key:
+        hit = (key, torch.stack(ws).to(dtype))
+        _STACKS[which] = hit
+    return hit[1]
+
+
+def native_experts_grouped(x, ids, experts) -> torch.Tensor:
+    """Region ``moe.experts`` on CUDA as transformers 5 runs it (``use_grouped_mm``): the routed rows
+    sorted by expert and three cuBLAS grouped GEMMs (``torch._grouped_mm``, one launch each over all
+    experts), ``[N, k, H]`` in ``x.dtype``. Falls back to :func:`native_experts` where ``_grouped_mm``
+    does not exist (CPU builds)."""
+    if not hasattr(torch, "_grouped_mm") or not x.is_cuda:
+        return native_experts(x, ids, experts)
+    n, k = ids.shape
+    flat = ids.reshape(-1)
+    order = torch.sort(flat, stable=True).indices
+    offs = torch.bincount(flat, minlength=len(experts)).cumsum(0).to(torch.int32)
+    xs = x[order // k]
+    wg, wu, wd = (_stack(experts, i, x.dtype) for i in range(3))  # [E, I, H], [E, I, H], [E, H, I]
+    g = torch._grouped_mm(xs, wg.transpose(-2, -1), offs=offs)
+    u = torch._grouped_mm(xs, wu.transpose(-2, -1), offs=offs)
+    h = torch._grouped_mm(F.silu(g) * u, wd.transpose(-2, -1), offs=offs)
+    y = torch.empty((n * k, x.shape[1]), device=x.device, dtype=x.dtype)
+    y = y.index_copy(0, order, h)
+    return y.view(n, k, x.shape[1])
+
+
 def native_shared_expert(x, shared, gate_w) -> torch.Tensor:
     """Region ``mlp.shared_expert``: ``sigmoid(x @ gate_w.T) * swiglu(x)`` in ``x.dtype``."""
     return torch.sigmoid(native_linear(x, gate_w)) * _swiglu(x, *shared)

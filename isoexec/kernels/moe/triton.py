@@ -2,7 +2,8 @@
 ``moe.combine``), the semantics of :mod:`isoexec.kernels.moe.cpu` with GPU bits of their own.
 
 Triton: router, expert and shared-expert GEMMs (:mod:`isoexec.kernels.gemm.triton`; the experts as
-one grouped launch over token rows sorted by expert). torch elementwise (position-invariant on
+one grouped launch over token rows sorted by expert; the ``down_proj`` GEMMs, row-parallel under TP,
+as leaf GEMMs so that a TP-sharded trainer reproduces their bits). torch elementwise (position-invariant on
 CUDA): the router softmax of :func:`~isoexec.kernels.moe.routing.iso_route`, SwiGLU, the
 routing-order fp32 combine and the sigmoid gate of the shared expert.
 """
@@ -12,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from isoexec.kernels.autograd import with_ref_grad
-from isoexec.kernels.gemm.triton import grouped_linear, linear_autograd
+from isoexec.kernels.gemm.triton import grouped_linear, grouped_linear_leaves, linear_autograd, linear_leaves_autograd
 from isoexec.kernels.moe.routing import iso_route
 from isoexec.kernels.primitives import sigmoid, silu
 
@@ -37,20 +38,21 @@ def router(x, router_w, top_k: int, norm_topk_prob: bool, cfg):
     return top_val.to(x.dtype), top_idx
 
 
-def experts(x, ids, expert_weights, cfg) -> torch.Tensor:
+def experts(x, ids, expert_weights, cfg, leaves: int) -> torch.Tensor:
     """Region ``moe.experts``: grouped SwiGLU over (token, rank) rows sorted by expert (stable), one
-    launch per GEMM. Returns ``[N, k, H]`` fp32; its gradient is :func:`experts_reference`'s."""
+    launch per GEMM, ``down_proj`` as ``leaves`` leaf GEMMs. Returns ``[N, k, H]`` fp32; its gradient
+    is :func:`experts_reference`'s."""
     flat_w = [w for e in expert_weights for w in e]
     ne = len(expert_weights)
 
     def unflat(f):
         return [tuple(f[3 * i : 3 * i + 3]) for i in range(ne)]
 
-    return with_ref_grad(lambda xx, *f: _experts(xx, ids, unflat(f), cfg),
+    return with_ref_grad(lambda xx, *f: _experts(xx, ids, unflat(f), cfg, leaves),
                          lambda xx, *f: experts_reference(xx, ids, unflat(f)), x, *flat_w)
 
 
-def _experts(x, ids, expert_weights, cfg) -> torch.Tensor:
+def _experts(x, ids, expert_weights, cfg, leaves: int) -> torch.Tensor:
     n, hdim = x.shape
     top_k = ids.shape[1]
     flat = ids.reshape(-1)  # (token, rank) pairs in token-major order
@@ -60,20 +62,27 @@ def _experts(x, ids, expert_weights, cfg) -> torch.Tensor:
     wg, wu, wd = (_stacked(expert_weights, i) for i in range(3))
     h = (silu(grouped_linear(xs, wg, counts, cfg).float()) * grouped_linear(xs, wu, counts, cfg).float()).to(x.dtype)
     y = torch.empty((n * top_k, hdim), device=x.device, dtype=torch.float32)
-    y[order] = grouped_linear(h, wd, counts, cfg).float()
+    y[order] = grouped_linear_leaves(h, wd, counts, cfg, leaves).float()
     return y.view(n, top_k, hdim)
 
 
-def shared_expert(x, shared, gate_w, cfg) -> torch.Tensor:
-    """Region ``mlp.shared_expert``: ``sigmoid(x @ gate_w.T) * swiglu(x)`` in fp32, ``[N, H]``."""
+def shared_expert(x, shared, gate_w, cfg, leaves: int) -> torch.Tensor:
+    """Region ``mlp.shared_expert``: ``sigmoid(x @ gate_w.T) * swiglu(x)`` in fp32, ``[N, H]``; ``down_proj``
+    as ``leaves`` leaf GEMMs."""
     wg, wu, wd = shared
     h = (silu(linear_autograd(x, wg, cfg).float()) * linear_autograd(x, wu, cfg).float()).to(x.dtype)
-    return sigmoid(linear_autograd(x, gate_w, cfg).float()) * linear_autograd(h, wd, cfg).float()
+    return sigmoid(linear_autograd(x, gate_w, cfg).float()) * linear_leaves_autograd(h, wd, cfg, leaves).float()
 
 
 def experts_reference(x, ids, expert_weights) -> torch.Tensor:
-    """Differentiable torch reference of :func:`experts` (cuBLAS GEMMs; for the backward only)."""
+    """Differentiable torch reference of :func:`experts` (cuBLAS GEMMs; for the backward only): the
+    grouped GEMMs of :func:`isoexec.kernels.moe.native.native_experts_grouped` where they exist."""
     import torch.nn.functional as F
+
+    if x.is_cuda and hasattr(torch, "_grouped_mm"):
+        from isoexec.kernels.moe.native import native_experts_grouped
+
+        return native_experts_grouped(x, ids, expert_weights).float()
 
     lin = lambda a, w: F.linear(a, w.to(a.dtype))  # noqa: E731
     y = torch.zeros((x.shape[0], ids.shape[1], x.shape[1]), device=x.device, dtype=torch.float32)

@@ -1,0 +1,349 @@
+"""The ``isoexec`` kernel set in Megatron's slots: same modules' parameters, our arithmetic.
+
+Each class subclasses the Megatron module of its slot (so parameter names, shapes, tensor-parallel
+attributes and the converter are shared with the ``native`` set) and replaces only ``forward`` by
+calls into a :class:`~isoexec.kernels.KernelSet`, with the same operation order as the unified model
+(:mod:`isoexec.model.qwen3_next`), so that a token's bits do not depend on TP, EP or SP:
+
+* :class:`IsoColumnParallelLinear` (``attn.qkv_proj``, ``gdn.in_proj``, ``lm_head``): the region's
+  kernel on the rank's output features; its fixed column tiles give a column the same bits whichever
+  shard (and position in it) holds it. Inputs gathered over the sequence (SP) or copied (TP) with
+  Megatron's mappings; no arithmetic in the collective.
+* :class:`IsoRowParallelLinear` (``attn.out_proj``, ``gdn.out_proj``): pik (DESIGN §3): the rank's
+  subtree of the region's ``leaves`` fixed leaves over the global K, then the upper tree levels after
+  an all-gather (or the pik reduce-scatter under SP).
+* :class:`IsoCoreAttention`, :class:`IsoSelfAttention`: RoPE, our blockwise attention per sequence,
+  the sigmoid gate.
+* :class:`IsoGatedDeltaNet`: conv1d, gating, l2norm, CPR GDN per sequence, gated norm.
+* :class:`IsoMoELayer`: the deterministic router, expert SwiGLUs (column tiles, pik down projection
+  over the expert-TP ranks), expert outputs moved (never summed) between ranks and summed per token
+  in routing order in fp32, the gated shared expert (pik over TP). The experts' and shared expert's
+  ``linear_fc1`` / ``linear_fc2`` slots keep Megatron's modules as weight holders (same names and
+  tensor-parallel attributes); their forward is not called.
+
+The regions run the CPU ``isoexec`` kernels (:mod:`isoexec.kernels.gemm.cpu`,
+:mod:`isoexec.kernels.moe.cpu`, :mod:`isoexec.kernels.collectives.pik`); constants come from the
+kernel set's region entries, so the unified model and this trainer read the same numbers.
+
+Backward is Megatron's usual one (gradients are not bitwise across layouts): identity through the pik
+all-reduce, all-gather through the pik reduce-scatter, reduce-scatter through the gathers.
+
+A padded batch's real lengths reach the sequence regions through the attention mask
+(:func:`isoexec.trainer.megatron.compat.padding_lengths`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron.core.ssm.gated_delta_net import GatedDeltaNet
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+    gather_from_tensor_model_parallel_region,
+)
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.moe.moe_layer import MoELayer
+
+from isoexec.kernels import KernelSet
+from isoexec.kernels.attention.rope import rope_cos_sin, rope_inv_freq
+from isoexec.kernels.collectives.pik import pik_all_reduce, pik_reduce_scatter, pik_row_parallel_partial, pik_tree_combine
+from isoexec.kernels.moe.cpu import iso_swiglu_partial, shared_expert_gate
+from isoexec.trainer.megatron.compat import padding_lengths
+from isoexec.trainer.megatron.spec import GatedSelfAttention
+
+
+# -------------------------------------------------------------------------------- collectives
+class _PikAllReduce(torch.autograd.Function):
+    """Forward: :func:`pik_all_reduce` of per-rank subtree sums. Backward: identity (the output is
+    replicated over the group, so each rank's partial receives the output's gradient)."""
+
+    @staticmethod
+    def forward(ctx, partial, group):  # noqa: D102
+        return pik_all_reduce(partial, group)
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: D102
+        return grad, None
+
+
+class _PikReduceScatter(torch.autograd.Function):
+    """Forward: :func:`pik_reduce_scatter` along dim 0 (SP). Backward: all-gather along dim 0."""
+
+    @staticmethod
+    def forward(ctx, partial, group):  # noqa: D102
+        ctx.group = group
+        return pik_reduce_scatter(partial, group)
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: D102
+        parts = [torch.empty_like(grad) for _ in range(dist.get_world_size(ctx.group))]
+        dist.all_gather(parts, grad.contiguous(), group=ctx.group)
+        return torch.cat(parts, dim=0), None
+
+
+def pik_combine(partial: torch.Tensor, group, sequence_parallel: bool) -> torch.Tensor:
+    """Finish a pik tree over ``group`` with Megatron-style autograd: reduce-scatter the rows (SP) or
+    all-reduce; identity for a group of one. ``partial``: ``[N, M]`` fp32 subtree sums."""
+    if sequence_parallel:
+        return _PikReduceScatter.apply(partial, group)
+    if group.size() > 1:
+        return _PikAllReduce.apply(partial, group)
+    return partial
+
+
+# ------------------------------------------------------------------------------------- linears
+class IsoColumnParallelLinear(ColumnParallelLinear):
+    """``ColumnParallelLinear`` whose GEMM is the kernel set's ``region`` on the rank's output features.
+
+    Args: Megatron's (``input_size, output_size, config, init_method, ...``) plus ``kernels`` and
+    ``region`` (``attn.qkv_proj``, ``gdn.in_proj`` or ``lm_head``; the latter returns fp32 logits).
+
+    Forward: ``x [s(/tp), b, K]`` -> (``[s, b, M/tp]`` or, gathered, ``[s, b, M]``; None).
+    """
+
+    def __init__(self, *args, kernels: KernelSet, region: str, **kw):
+        super().__init__(*args, **kw)
+        self.gemm = kernels[region]
+
+    @classmethod
+    def replacing(cls, module: ColumnParallelLinear, kernels: KernelSet, region: str) -> "IsoColumnParallelLinear":
+        """This class in ``module``'s place: same sizes, group, gather setting and parameter."""
+        new = cls(module.input_size, module.output_size, config=module.config, init_method=module.config.init_method,
+                  bias=False, gather_output=module.gather_output, tp_group=module.tp_group, kernels=kernels,
+                  region=region)
+        new.weight = module.weight
+        return new
+
+    def forward(self, input_, weight=None, runtime_gather_output=None):  # noqa: D102
+        weight = self.weight if weight is None else weight
+        x = input_
+        if self.sequence_parallel:
+            x = gather_from_sequence_parallel_region(x, True, self.tp_group)
+        elif self.tp_group.size() > 1:
+            x = copy_to_tensor_model_parallel_region(x, self.tp_group)
+        y = self.gemm(x.reshape(-1, x.shape[-1]), weight).reshape(*x.shape[:-1], -1)
+        gather = self.gather_output if runtime_gather_output is None else runtime_gather_output
+        if gather and self.tp_group.size() > 1:
+            y = gather_from_tensor_model_parallel_region(y, self.tp_group)
+        return y, None
+
+
+class IsoRowParallelLinear(RowParallelLinear):
+    """``RowParallelLinear`` whose GEMM and reduction are pik with the kernel set's ``region`` constants
+    (``attn.out_proj`` or ``gdn.out_proj``): bitwise the region's single-process result at any TP.
+
+    Args: Megatron's plus ``kernels`` and ``region``. Forward: ``x [s, b, K/tp]`` -> (``[s(/tp), b, M]``, None).
+    """
+
+    def __init__(self, *args, kernels: KernelSet, region: str, **kw):
+        super().__init__(*args, **kw)
+        c = kernels[region].constants
+        self.leaves, self.row_tile = c["leaves"], c["row_tile"]
+
+    def forward(self, input_):  # noqa: D102
+        s = input_.shape
+        x = input_.reshape(-1, s[-1])
+        partial = pik_row_parallel_partial(x, self.weight, self.tp_group.size(), self.leaves, self.row_tile)
+        y = pik_combine(partial, self.tp_group, self.sequence_parallel).to(x.dtype)
+        return y.reshape(-1, *s[1:-1], y.shape[-1]), None
+
+
+# ----------------------------------------------------------------------------------- attention
+def _sequences(seq_len: int, lengths: torch.Tensor) -> list[torch.Tensor]:
+    """Row indices of each sequence's real tokens in the batch-major flattening ``[B * seq_len]``."""
+    return [b * seq_len + torch.arange(int(n)) for b, n in enumerate(lengths)]
+
+
+class IsoCoreAttention(MegatronModule):
+    """Core attention slot (``DotProductAttention`` in ``native``): region ``attn.core`` per sequence.
+
+    Args: Megatron's core-attention arguments (``config, layer_number, attn_mask_type, ...``; unused
+    beyond the config) plus ``kernels``.
+
+    Forward: ``query [s, b, np, d]`` (after RoPE), ``key``/``value [s, b, ng, d]``, ``attention_mask`` (causal +
+    padding, :func:`~isoexec.trainer.megatron.compat.causal_padding_mask`) -> ``[s, b, np * d]``, zeros
+    at padded rows.
+    """
+
+    def __init__(self, config, *args, kernels: KernelSet, **kw):
+        super().__init__(config=config)
+        self.kernels = kernels
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):  # noqa: D102
+        s, b, h, d = query.shape
+        lengths = padding_lengths(attention_mask)
+        qb, kb, vb = (t.transpose(0, 1) for t in (query, key, value))  # [b, s, heads, d]
+        q = torch.cat([qb[i, : int(n)] for i, n in enumerate(lengths)])
+        kv = [(kb[i, : int(n)], vb[i, : int(n)]) for i, n in enumerate(lengths)]
+        o = self.kernels["attn.core"](q, kv, [0] * b, [int(n) for n in lengths])
+        rows = torch.cat(_sequences(s, lengths))
+        out = o.new_zeros((b * s, h, d)).index_copy(0, rows, o)
+        return out.view(b, s, h * d).transpose(0, 1)
+
+
+class IsoSelfAttention(GatedSelfAttention):
+    """Gated self-attention: Megatron's fused QKV split (our q/k norms), ``attn.rope``,
+    :class:`IsoCoreAttention`, ``attn.gate``, pik output projection.
+
+    Args: Megatron's ``SelfAttention`` arguments plus ``kernels`` and ``rope`` = (rotary fraction,
+    base) of the partial RoPE (the ``isoexec`` model is built without Megatron's rotary embedding).
+    """
+
+    def __init__(self, *args, kernels: KernelSet, rope: tuple[float, float], **kw):
+        super().__init__(*args, **kw)
+        self.kernels = kernels
+        self.inv_freq = rope_inv_freq(self.config.kv_channels, *rope)  # as the unified model
+
+    def forward(self, hidden_states, attention_mask, key_value_states=None, inference_context=None,
+                rotary_pos_emb=None, rotary_pos_cos=None, rotary_pos_sin=None, rotary_pos_cos_sin=None,
+                attention_bias=None, packed_seq_params=None, sequence_len_offset=None, *, inference_params=None):  # noqa: D102
+        if inference_context is not None or inference_params is not None or packed_seq_params is not None:
+            raise NotImplementedError("the isoexec Megatron attention runs padded training batches only")
+        query, key, value, gate = self.get_query_key_value_tensors(hidden_states, None, output_gate=True)
+        s, b = query.shape[:2]
+        rope = self.kernels["attn.rope"]
+        cos, sin = rope_cos_sin(torch.arange(s).repeat_interleave(b), self.inv_freq, query.dtype)  # rows s-major
+        query = rope(query.reshape(s * b, *query.shape[2:]), cos, sin).view(query.shape)
+        key = rope(key.reshape(s * b, *key.shape[2:]), cos, sin).view(key.shape)
+        o = self.core_attention(query, key, value, attention_mask)  # [s, b, np * d]
+        o = self.kernels["attn.gate"](o.reshape(s * b, -1), gate.reshape(s * b, -1)).view(s, b, -1)
+        return self.linear_proj(o)
+
+
+# ---------------------------------------------------------------------------------------- GDN
+class IsoGatedDeltaNet(GatedDeltaNet):
+    """Megatron's ``GatedDeltaNet`` slot with the unified model's GDN arithmetic on this rank's heads.
+
+    Args: Megatron's arguments plus ``kernels``. Forward: ``hidden_states [s(/tp), b, H]``,
+    ``attention_mask`` (real lengths) -> (``[s(/tp), b, H]``, None); ``trainer_fwd`` (autograd enabled)
+    runs the CPR GDN with its reference backward.
+    """
+
+    def __init__(self, *args, kernels: KernelSet, **kw):
+        super().__init__(*args, **kw)
+        self.kernels = kernels
+
+    def forward(self, hidden_states, attention_mask, key_value_states=None, inference_context=None,
+                attention_bias=None, packed_seq_params=None, sequence_len_offset=None, *, inference_params=None,
+                **kwargs):  # noqa: D102
+        if inference_context is not None or inference_params is not None or packed_seq_params is not None:
+            raise NotImplementedError("the isoexec Megatron GDN runs padded training batches only")
+        ks, tp = self.kernels, self.tp_size
+        qkvzba, _ = self.in_proj(hidden_states)  # [s, b, in_proj_dim / tp], per rank [q|k|v|z|b|a]
+        s, b, _ = qkvzba.shape
+        n, dtype = s * b, qkvzba.dtype
+        lengths = padding_lengths(attention_mask)
+        seq_rows = _sequences(s, lengths)
+        rows = torch.cat(seq_rows)
+        hk, hv = self.num_key_heads // tp, self.num_value_heads // tp
+        dk, dv = self.key_head_dim, self.value_head_dim
+        x = qkvzba.transpose(0, 1).reshape(n, -1)  # batch-major rows
+        mixed, z, beta_in, alpha = torch.split(x, [2 * hk * dk + hv * dv, hv * dv, hv, hv], dim=-1)
+        prefix = mixed.new_zeros(self.conv_kernel_dim - 1, mixed.shape[1])
+        conv, _ = ks["gdn.conv1d"]([mixed[r] for r in seq_rows], self.conv1d.weight.squeeze(1), [prefix] * b)
+        mixed = mixed.new_zeros(mixed.shape).index_copy(0, rows, torch.cat(conv))
+        q, k, v = torch.split(mixed, [hk * dk, hk * dk, hv * dv], dim=-1)
+        g, beta = ks["gdn.gating"](alpha, beta_in, self.A_log, self.dt_bias)
+        r = hv // hk
+        q = ks["gdn.l2norm"](q.reshape(n, hk, dk)).repeat_interleave(r, dim=1)
+        k = ks["gdn.l2norm"](k.reshape(n, hk, dk)).repeat_interleave(r, dim=1)
+        v = v.reshape(n, hv, dv).float()
+        lens = [int(t) for t in lengths]
+        o, _ = ks["gdn.core"](q[rows], k[rows], v[rows], g[rows], beta[rows], lens, [None] * len(lens),
+                              torch.is_grad_enabled())
+        o = o.new_zeros((n, hv, dv)).index_copy(0, rows, o).to(dtype)
+        o = ks["gdn.norm"](o.reshape(n * hv, dv), z.reshape(n * hv, dv), self.out_norm.weight, self.out_norm.eps)
+        return self.out_proj(o.reshape(b, s, hv * dv).transpose(0, 1))
+
+
+# ---------------------------------------------------------------------------------------- MoE
+class IsoMoELayer(MoELayer):
+    """Megatron's ``MoELayer`` slot (router, ``SequentialMLP`` experts, gated shared expert) with the
+    unified model's MoE regions under any TP / EP / expert-TP / SP layout.
+
+    Tokens are exchanged in the expert tensor-and-model-parallel group G (the ranks among which
+    Megatron dispatches): every rank all-gathers G's tokens and expert ids, computes its experts
+    (its expert-TP shard: :func:`~isoexec.kernels.moe.cpu.iso_swiglu_partial`, the pik subtree of
+    ``down_proj``) for the (token, slot) pairs routed to them, and all-gathers these partial outputs;
+    each rank then finishes the pik tree of every slot over the owner's expert-TP ranks, rounds it to
+    the boundary dtype, and the region ``moe.combine`` sums its own tokens' slots in routing order in
+    fp32 with the gated shared expert. The collectives only move tensors.
+
+    Args: Megatron's arguments plus ``kernels``. Construction all-gathers each G member's (EP rank,
+    expert-TP rank) once (a collective). Forward: ``[s(/tp), b, H]`` -> (same shape, None).
+
+    (megatron-core 0.16.1 ``transformer/transformer_layer.py`` line 351 passes ``pg_collection`` only to
+    the exact ``MoELayer`` class and logs "Unknown MLP type" for a subclass; ``MoELayer`` then takes
+    ``get_default_pg_collection()``, the same groups.)
+    """
+
+    def __init__(self, *args, kernels: KernelSet, **kw):
+        super().__init__(*args, **kw)
+        self.kernels = kernels
+        self.g_group = ps.get_expert_tensor_and_model_parallel_group()
+        g = self.g_group.size()
+        me = torch.tensor([ps.get_expert_model_parallel_rank(), ps.get_expert_tensor_parallel_rank()])
+        ids = [me]
+        if g > 1:
+            ids = [torch.empty_like(me) for _ in range(g)]
+            dist.all_gather(ids, me, group=self.g_group)
+        self.etp = ps.get_expert_tensor_parallel_world_size()
+        table = torch.empty(ps.get_expert_model_parallel_world_size(), self.etp, dtype=torch.long)
+        for j, (e, t) in enumerate(i.tolist() for i in ids):
+            table[e, t] = j  # (EP rank, expert-TP rank) -> rank in G
+        self.owner = table[torch.arange(self.config.num_moe_experts) // self.num_local_experts]  # [E, etp]
+        self.g_rank = dist.get_rank(self.g_group) if g > 1 else 0
+
+    def _routed(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """``[n, k, H]`` fp32 expert outputs (rounded to the boundary dtype) of this rank's tokens."""
+        c, g = self.kernels["moe.experts"].constants, self.g_group.size()
+        n, k = ids.shape
+        x_all, ids_all = x, ids
+        if g > 1:
+            x_all = gather_from_sequence_parallel_region(x, True, self.g_group)
+            parts = [torch.empty_like(ids) for _ in range(g)]
+            dist.all_gather(parts, ids.contiguous(), group=self.g_group)
+            ids_all = torch.cat(parts)
+        part = x.new_zeros((x_all.shape[0], k, x.shape[1]), dtype=torch.float32)
+        for j, expert in enumerate(self.experts.local_experts):
+            tok, slot = torch.nonzero(ids_all == self.local_expert_indices[j], as_tuple=True)
+            if tok.numel() == 0:
+                continue
+            wg, wu = expert.linear_fc1.weight.chunk(2, dim=0)  # per rank [gate; up]
+            sub = iso_swiglu_partial(x_all[tok], wg, wu, expert.linear_fc2.weight, self.etp,
+                                     c["row_tile"], c["col_tile"], c["leaves"])
+            part = part.index_put((tok, slot), sub)
+        if g > 1:
+            part = gather_from_sequence_parallel_region(part, True, self.g_group)
+        mine = part.view(g, -1, k, x.shape[1])[:, self.g_rank * n : (self.g_rank + 1) * n]  # [g, n, k, H]
+        owners = self.owner[ids]  # [n, k, etp]: ranks in G holding each slot's expert shards
+        pieces = [mine.gather(0, owners[None, :, :, r, None].expand(1, n, k, x.shape[1]))[0] for r in range(self.etp)]
+        return pik_tree_combine(pieces).to(x.dtype).float()
+
+    def _shared(self, hidden_states: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Region ``mlp.shared_expert`` on TP shards: ``[n, H]`` fp32 for this rank's rows."""
+        c, se = self.kernels["mlp.shared_expert"].constants, self.shared_experts
+        fc1, fc2 = se.linear_fc1, se.linear_fc2
+        full = hidden_states
+        if fc1.sequence_parallel:
+            full = gather_from_sequence_parallel_region(full, True, fc1.tp_group)
+        elif fc1.tp_group.size() > 1:
+            full = copy_to_tensor_model_parallel_region(full, fc1.tp_group)
+        wg, wu = fc1.weight.chunk(2, dim=0)
+        sub = iso_swiglu_partial(full.reshape(-1, x.shape[1]), wg, wu, fc2.weight, fc2.tp_group.size(),
+                                 c["row_tile"], c["col_tile"], c["leaves"])
+        s = pik_combine(sub, fc2.tp_group, fc2.sequence_parallel).to(x.dtype).float()
+        return shared_expert_gate(x, se.gate_weight, c["row_tile"], c["col_tile"]) * s
+
+    def forward(self, hidden_states, intermediate_tensors=None, padding_mask=None):  # noqa: D102
+        ks = self.kernels
+        shape = hidden_states.shape
+        x = hidden_states.reshape(-1, shape[-1])
+        weights, ids = ks["moe.router"](x, self.router.weight, self.config.moe_router_topk,
+                                        not self.config.moe_router_pre_softmax)
+        out = ks["moe.combine"](self._routed(x, ids), weights, ids, self._shared(hidden_states, x), x.dtype)
+        return out.reshape(shape), None

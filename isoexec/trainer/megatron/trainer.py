@@ -1,0 +1,246 @@
+"""One rank of the Megatron trainer: the same call as the other trainers, on a TP/EP/SP layout.
+
+Built after :func:`~isoexec.trainer.megatron.launch.init_parallel` on every rank of the layout, and
+driven identically on every rank (same batch, same calls): it is the object a Ray actor or a test
+worker holds. The model is a Megatron ``GPTModel`` from :func:`~isoexec.trainer.megatron.spec.build_gpt_model`
+(kernel set ``native`` or ``isoexec``), wrapped in Megatron's ``DistributedDataParallel`` for its fp32
+``main_grad`` buffers; weights come from a Hugging Face state dict through
+:mod:`~isoexec.trainer.megatron.convert`.
+
+- :meth:`MegatronTrainer.trainer_logprobs`: packed ``[T]`` tokens -> ``[T, V]`` fp32 full-vocabulary
+  logprobs, identical on every rank (the vocabulary dim is gathered over TP). Megatron's GDN refuses
+  packed sequences, so the batch runs right-padded as ``[B, Lmax]`` (``Lmax`` rounded up to a multiple of
+  TP under sequence parallelism) with an explicit causal + padding mask.
+- :meth:`MegatronTrainer.checkpoint_state_dict`: the weights under HF names, gathered over TP/EP (what a
+  weight sync sends to the engine).
+- :meth:`MegatronTrainer.step`: the fp32-master AdamW of the other trainers
+  (:class:`isoexec.trainer.optim.MasterAdamW`) on each rank's shards, reading Megatron's ``main_grad``
+  after ``finalize_model_grads``, with a TP/EP-aware global grad norm (Megatron's own optimizer does
+  not run on CPU).
+- :meth:`MegatronTrainer.contract`: the isoexec execution contract (the unified model's, same kernel
+  set) or None for ``native``; building an isoexec trainer on a layout outside the contract's
+  topology claim raises :class:`~isoexec.contract.ClaimViolation`.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from isoexec.trainer.megatron import compat
+from isoexec.trainer.megatron.config import Layout, transformer_config
+from isoexec.trainer.megatron.convert import full_to_hf, gather_full_state, hf_to_full, rank_state
+
+
+def check_layout(contract, layout: Layout) -> None:
+    """Refuse a layout outside the contract's topology claim.
+
+    Raises:
+        ClaimViolation: naming each degree (tp, ep, sp, dp) outside its claimed domain.
+    """
+    from isoexec.contract import check_topology
+
+    check_topology(contract, **layout.degrees())
+
+
+class MegatronTrainer:
+    """The Megatron trainer on this rank.
+
+    Args:
+        hf_config: transformers Qwen3-Next config (``vocab_size`` divisible by ``layout.tp``).
+        layout: the parallel layout; :func:`~isoexec.trainer.megatron.launch.init_parallel` must have
+            been called with it.
+        kernel_set: ``"native"`` (Megatron's stock modules) or ``"isoexec"`` (our kernels, pik).
+        kernels: an ``isoexec.config.KernelSection`` (defaults if None): the pinned constants of the
+            ``isoexec`` set and the policy temperature of both sets.
+        dtype: parameter dtype (``torch.bfloat16`` or ``torch.float32``).
+        lr, betas, eps, weight_decay, max_grad_norm: AdamW of :meth:`step`.
+
+    Raises:
+        ValueError: unknown kernel set, or heads / experts / vocabulary not divisible by the layout's
+        degrees. ClaimViolation: an ``isoexec`` layout outside the contract's topology claim (checked
+        before Megatron is imported or any process group is touched).
+    """
+
+    def __init__(self, hf_config, layout: Layout, kernel_set: str = "isoexec", kernels=None,
+                 dtype: torch.dtype = torch.bfloat16, lr: float = 1e-4,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
+                 max_grad_norm: float = 1.0):
+        from isoexec.config import KernelSection
+
+        if kernel_set not in ("native", "isoexec"):
+            raise ValueError(f"kernel_set must be 'native' or 'isoexec', got {kernel_set!r}")
+        self.hf_config, self.layout, self.kernel_set, self.dtype = hf_config, layout.check(), kernel_set, dtype
+        section = kernels if kernels is not None else KernelSection()
+        self.temperature = float(section.temperature)
+        self.kernels = None
+        if kernel_set == "isoexec":
+            from isoexec.kernels import build_kernel_set
+
+            self.kernels = build_kernel_set("isoexec", "cpu", section)
+            check_layout(self.contract(), layout)
+        compat.apply()
+        self.config = transformer_config(hf_config, layout, dtype)
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+        from isoexec.trainer.megatron.launch import groups
+        from isoexec.trainer.megatron.spec import build_gpt_model
+
+        self.groups = groups()
+        self.model = build_gpt_model(hf_config, self.config, self.kernels)
+        self.model.train()  # no dropout anywhere; train mode only matters for autograd bookkeeping
+        self.ddp = DistributedDataParallel(
+            config=self.config,
+            ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                                     use_distributed_optimizer=False),
+            module=self.model,
+        )
+        self.hyper = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, max_grad_norm=max_grad_norm)
+        self.optimizer = None  # built at the first step, from the loaded weights
+
+    # ----------------------------------------------------------------------------------- weights
+    def load_hf_state_dict(self, hf: dict[str, torch.Tensor]) -> None:
+        """Load HF-named weights (every rank passes the same full state dict; it keeps its shards).
+
+        Raises:
+            KeyError / ValueError from the converter; RuntimeError on missing/unexpected names (strict).
+        """
+        from megatron.core import parallel_state as ps
+
+        full = hf_to_full(hf, self.hf_config, self.layout.tp, self.layout.expert_tp)
+        local = rank_state(full, self.hf_config, self.layout.ep, ps.get_tensor_model_parallel_rank(),
+                           ps.get_expert_model_parallel_rank(), ps.get_expert_tensor_parallel_rank())
+        with torch.no_grad():  # Megatron's linears add their empty ``_extra_state`` in a load hook
+            self.model.load_state_dict({k: v.to(self.dtype) for k, v in local.items()}, strict=True)
+        self.optimizer = None
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, layout: Layout, kernel_set: str = "isoexec", kernels=None,
+                        dtype: torch.dtype | None = None, **kw) -> "MegatronTrainer":
+        """Build on this rank and load a HF ``Qwen3NextForCausalLM`` checkpoint folder.
+
+        ``dtype`` None keeps the checkpoint's dtype; other keywords go to the constructor.
+        """
+        from isoexec.model.hf import read_config, read_weights
+
+        cfg = read_config(path)
+        if dtype is None:
+            dtype = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None) or torch.bfloat16
+            dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+        trainer = cls(cfg, layout, kernel_set, kernels, dtype, **kw)
+        sd = read_weights(path)
+        if getattr(cfg, "tie_word_embeddings", False):
+            sd.setdefault("lm_head.weight", sd["model.embed_tokens.weight"])
+        trainer.load_hf_state_dict(sd)
+        return trainer
+
+    def checkpoint_state_dict(self) -> dict[str, torch.Tensor]:
+        """All weights under Hugging Face checkpoint names, gathered over TP / expert TP / EP
+        (a collective: every rank calls it; every rank gets the full dict). Detached, compute dtype."""
+        local = {k: v.detach() for k, v in self.model.state_dict().items() if not k.endswith("_extra_state")}
+        return full_to_hf(gather_full_state(local, self.hf_config, self.groups), self.hf_config)
+
+    def named_parameters(self):
+        """``(HF name, gathered tensor)`` pairs of :meth:`checkpoint_state_dict` (copies, not the live
+        shards: the optimizer is :meth:`step`)."""
+        return iter(self.checkpoint_state_dict().items())
+
+    # ----------------------------------------------------------------------------------- forward
+    def trainer_logprobs(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, grad: bool) -> torch.Tensor:
+        """Full-vocabulary logprobs of packed sequences (``trainer_fwd`` with ``grad``, else ``trainer_score``).
+
+        Args:
+            input_ids: ``[T]`` int64, sequences concatenated.
+            cu_seqlens: ``[B+1]`` int64 offsets rising strictly from 0 to T.
+            grad: keep the autograd graph (``trainer_fwd``).
+
+        Returns:
+            ``[T, V]`` fp32 on every rank; row t is the distribution of the token after ``input_ids[t]``
+            at the policy temperature.
+
+        Raises:
+            isoexec.model.inputs.InputError: an id outside ``[0, V)``, an empty batch or sequence, or
+                malformed ``cu_seqlens`` (the unified model's checks).
+        """
+        from isoexec.model.inputs import check_cu_seqlens, check_token_ids
+
+        cu = check_cu_seqlens(cu_seqlens, input_ids.numel())
+        check_token_ids(input_ids, self.hf_config.vocab_size)
+        lengths = torch.tensor([b - a for a, b in zip(cu, cu[1:])])
+        lmax = int(lengths.max())
+        if self.layout.sp:
+            lmax = -(-lmax // self.layout.tp) * self.layout.tp
+        padded = torch.zeros(len(lengths), lmax, dtype=torch.long)
+        for b, (a, n) in enumerate(zip(cu, lengths.tolist())):
+            padded[b, :n] = input_ids[a : a + n]
+        positions = torch.arange(lmax).expand(len(lengths), lmax)
+        mask = compat.causal_padding_mask(lengths, lmax)
+        with torch.set_grad_enabled(grad):
+            logits = self.ddp(input_ids=padded, position_ids=positions, attention_mask=mask,
+                              runtime_gather_output=True)  # [B, Lmax, V]
+            rows = torch.cat([logits[b, :n] for b, n in enumerate(lengths.tolist())])
+            if self.kernels is None:
+                return torch.log_softmax(rows.float() / self.temperature, dim=-1)
+            return self.kernels["logprob"](rows)
+
+    # --------------------------------------------------------------------------------- optimizer
+    def zero_grad(self) -> None:
+        """Zero Megatron's ``main_grad`` buffers (and any ``.grad``)."""
+        self.ddp.zero_grad_buffer()
+        for p in self.model.parameters():
+            p.grad = None
+
+    def grad_norm(self, grads: dict[str, torch.Tensor]) -> float:
+        """Global L2 norm of this rank's gradient shards ``{parameter name: fp32 gradient}``: TP-replicated
+        tensors counted once (TP rank 0), TP shards on every rank, summed over TP; expert tensors
+        summed over the expert tensor-and-model-parallel ranks. A collective; the same value on every rank."""
+        from megatron.core import parallel_state as ps
+
+        params = dict(self.model.named_parameters())
+        dense, expert = torch.zeros(1, dtype=torch.float64), torch.zeros(1, dtype=torch.float64)
+        tp_rank, etp_rank = ps.get_tensor_model_parallel_rank(), ps.get_expert_tensor_parallel_rank()
+        for name, g in grads.items():
+            p, sq = params[name], (g.double() ** 2).sum()
+            sharded = getattr(p, "tensor_model_parallel", False)
+            if getattr(p, "allreduce", True):  # Megatron marks expert-parallel tensors allreduce=False
+                dense += sq if (sharded or tp_rank == 0) else 0.0
+            else:
+                expert += sq if (sharded or etp_rank == 0) else 0.0
+        dist.all_reduce(dense, group=self.groups["tp"])
+        dist.all_reduce(expert, group=ps.get_expert_tensor_and_model_parallel_group())
+        return math.sqrt(float(dense + expert))
+
+    def step(self) -> float:
+        """One AdamW update of every local shard from the accumulated gradients (a collective).
+
+        Finalizes the gradients with Megatron's ``finalize_model_grads`` (data-parallel reduce, the
+        all-reduce of sequence-parallel weights over TP), then :class:`~isoexec.trainer.optim.MasterAdamW`
+        clips by :meth:`grad_norm`, steps the fp32 masters and writes ``dtype(master)`` back.
+
+        Returns:
+            The global gradient L2 norm before clipping (``nan``/``inf``: no update).
+        """
+        from megatron.core.distributed import finalize_model_grads
+
+        from isoexec.trainer.optim import MasterAdamW
+
+        if self.optimizer is None:
+            self.optimizer = MasterAdamW(self.model.named_parameters(), grad_of=lambda p: p.main_grad,
+                                         norm_of=self.grad_norm, **self.hyper)
+        finalize_model_grads([self.ddp])
+        norm = self.optimizer.step()
+        self.zero_grad()
+        return norm
+
+    # ---------------------------------------------------------------------------------- contract
+    def contract(self):
+        """The execution contract of the ``isoexec`` set (the unified model's, with the same kernel set
+        and config, so the engine's handshake matches); None for ``native``."""
+        if self.kernels is None:
+            return None
+        from isoexec.model.unified import build_contract
+
+        return build_contract(self.hf_config, self.kernels, self.dtype)
