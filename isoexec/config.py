@@ -321,9 +321,13 @@ def load_config(path: str | Path) -> ExperimentConfig:
     """
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"experiment config {str(path)!r} does not exist")
+        folder = path.parent
+        there = sorted(p.name for p in folder.glob("*.yaml")) if folder.is_dir() else []
+        hint = f"; {folder}/ holds {', '.join(there)}" if there else ""
+        raise FileNotFoundError(f"experiment config {str(path)!r} does not exist{hint}")
     try:
-        raw = yaml.load(path.read_text(), Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+        with path.open() as f:  # a stream: YAML errors name the file
+            raw = yaml.load(f, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as e:
         raise ValueError(f"{path}: not valid YAML: {e}") from None
     if not isinstance(raw, dict):
@@ -331,4 +335,29 @@ def load_config(path: str | Path) -> ExperimentConfig:
     try:
         return ExperimentConfig.model_validate(raw)
     except ValidationError as e:
-        raise ValueError(f"{path}: invalid experiment config:\n{e}") from None
+        raise ValueError(f"{path}: invalid experiment config: {validation_summary(e)}") from None
+
+
+def _section_fields(loc: tuple) -> list[str]:
+    """Field names of the config section at ``loc`` (e.g. ``("engine",)``); empty if it is not a section."""
+    model: type[BaseModel] = ExperimentConfig
+    for part in loc:
+        ann = model.model_fields[part].annotation if part in model.model_fields else None
+        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+            return []
+        model = ann
+    return list(model.model_fields)
+
+
+def validation_summary(e: ValidationError) -> str:
+    """Every problem of a pydantic ``ValidationError`` on one line: ``key=value: what is allowed; ...``."""
+    parts = []
+    for err in e.errors(include_url=False):
+        key = ".".join(str(p) for p in err["loc"])
+        given = f"={err['input']!r}" if key and err["type"] not in ("missing", "model_type", "dict_type") else ""
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            allowed = _section_fields(err["loc"][:-1])
+            msg = "unknown key" + (f"; allowed: {', '.join(allowed)}" if allowed else "")
+        parts.append(f"{key}{given}: {msg}" if key else msg)
+    return "; ".join(parts)

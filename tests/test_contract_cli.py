@@ -41,13 +41,14 @@ def test_verify_hand_edited_file_fails_naming_the_field(saved):
 def test_verify_malformed_file_fails_with_position(saved):
     saved.write_text('{\n  "cases": [\n')
     r = run("verify", saved)
-    assert r.exit_code == 1
+    assert r.exit_code == 2  # unreadable input; 1 is kept for a file whose content was edited
     assert str(saved) in r.output and "malformed JSON" in r.output and "line 3" in r.output
+    assert r.output.startswith("error: ") and r.output.count("\n") == 1
 
 
 def test_verify_missing_file_fails(tmp_path):
     r = run("verify", tmp_path / "none.json")
-    assert r.exit_code == 1 and "none.json" in r.output
+    assert r.exit_code == 2 and r.output == f"error: {tmp_path / 'none.json'}: No such file or directory\n"
 
 
 def test_diff_identical_exits_zero(saved, tmp_path):
@@ -101,3 +102,16 @@ def test_show_prints_identities_composition_and_claims(saved):
         "enable_prefix_caching = false",
     ):
         assert s in r.output, s
+
+
+@pytest.mark.parametrize("columns", ["80", "200"])
+def test_show_keeps_every_field_at_any_width(saved, columns):
+    r = runner.invoke(app, ["contract", "show", str(saved)], env={"COLUMNS": columns})
+    assert r.exit_code == 0, r.output
+    c = make()
+    for e in c.composition:
+        assert f"{e.impl} version {e.version} arch {e.arch}" in r.output
+        for k in e.constants:
+            assert f"{k}=" in r.output, k
+    too_wide = [ln for ln in r.output.splitlines() if len(ln) > int(columns) and len(ln.split()) > 2]
+    assert not too_wide  # only a single unbreakable word (a long proof path) may run past the width

@@ -13,6 +13,7 @@ the model's kernels); ``iso`` engines run ``isoexec.model.UnifiedModel``.
 
 from __future__ import annotations
 
+import logging
 import os
 
 import numpy as np
@@ -388,3 +389,42 @@ def test_plugin_routing_and_sync_work_in_worker_subprocesses(ckpt, toy_trainer, 
         assert res["mismatch_count"] == 0, res
     finally:
         e.shutdown()
+
+
+# --------------------------------------------------------------------------- quiet logs, one thread
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+def test_chat_template_warm_up_logs_no_traceback_without_a_tokenizer(toy_engine, monkeypatch):
+    from vllm.renderers.chat_utils import ChatTemplateResolutionError
+    from vllm.renderers.hf import HfRenderer
+    from vllm.renderers.params import ChatParams
+
+    from isoexec.engines.requests import IsoExecRenderer
+
+    renderer = toy_engine.llm.renderer
+    assert isinstance(renderer, IsoExecRenderer) and renderer.tokenizer is None
+    records = _Records()
+    logging.getLogger("vllm").addHandler(records)
+    try:
+        renderer.warmup(ChatParams())  # what LLM.__init__ runs
+        assert not [m for m in records.messages if "warmup failed" in m]
+        monkeypatch.setattr(IsoExecRenderer, "render_messages", HfRenderer.render_messages)  # negative control
+        renderer.warmup(ChatParams())
+        assert [m for m in records.messages if "Chat template warmup failed" in m]
+    finally:
+        logging.getLogger("vllm").removeHandler(records)
+    monkeypatch.undo()
+    with pytest.raises(ChatTemplateResolutionError, match="prompt token ids only"):
+        toy_engine.llm.chat([{"role": "user", "content": "1 + 1"}])
+
+
+def test_in_process_engine_serves_at_one_torch_thread(toy_engine):
+    # vLLM's serving setting; left at one thread per core, idle OpenMP workers spin-wait under load
+    assert torch.get_num_threads() == 1

@@ -36,7 +36,8 @@ def test_dry_run_reproduce_covers_every_stage_for_the_default_experiment():
     assert r.returncode == 0, r.stdout + r.stderr
     counts = job_counts(r.stdout)
     assert counts["rl_train"] == 4  # rl.modes x rl.seeds of experiments/cpu-tiny.yaml
-    for rule in ("init_model", "sft", "gates", "rollout_check", "report_tables", "report_figures", "notebook"):
+    for rule in ("experiment_settings", "init_model", "sft", "gates", "rollout_check", "report_tables",
+                 "report_figures", "notebook"):
         assert counts[rule] == 1, rule
     assert "kernel_bench" not in counts
     assert "results/cpu-tiny/rl/native/seed1/metrics.jsonl" in r.stdout
@@ -44,7 +45,7 @@ def test_dry_run_reproduce_covers_every_stage_for_the_default_experiment():
 
 
 def test_dry_run_ci_tiny_config_selects_fewer_runs():
-    r = snakemake("-n", "--forceall", "reproduce", "--configfile", "experiments/ci-tiny.yaml")
+    r = snakemake("-n", "--forceall", "reproduce", "--config", "experiment=experiments/ci-tiny.yaml")
     assert r.returncode == 0, r.stdout + r.stderr
     assert job_counts(r.stdout)["rl_train"] == 2
     assert "results/ci-tiny/rl/isoexec/seed0/metrics.jsonl" in r.stdout
@@ -54,6 +55,8 @@ def test_kernel_bench_runs_only_when_asked():
     r = snakemake("-n", "kernel_bench")
     assert r.returncode == 0, r.stdout + r.stderr
     assert job_counts(r.stdout) == {"kernel_bench": 1, "total": 1}
+    assert "output: runs/cpu-tiny/bench" in r.stdout  # not the committed results/cpu-tiny/bench
+    assert "runs/cpu-tiny/benchmarks/kernel_bench.tsv" in r.stdout
 
 
 def test_lint_is_clean():
@@ -69,15 +72,30 @@ def test_snakefiles_are_snakefmt_formatted():
     assert r.returncode == 0, r.stdout + r.stderr
 
 
-def test_config_typo_fails_before_any_job_naming_the_key(tmp_path):
+def error_lines(r: subprocess.CompletedProcess) -> list[str]:
+    return [line for line in (r.stdout + r.stderr).splitlines() if line.startswith("error: ")]
+
+
+@pytest.mark.parametrize("how", ["--config", "--configfile"])
+def test_config_typo_fails_before_any_job_with_one_line_naming_the_key(tmp_path, how):
     bad = tmp_path / "typo.yaml"
     bad.write_text((ROOT / "experiments" / "ci-tiny.yaml").read_text().replace("engine:\n", "engine:\n  max_num_seqz: 4\n"))
-    r = snakemake("-n", "reproduce", "--configfile", str(bad))
-    assert r.returncode != 0
-    assert "max_num_seqz" in r.stdout + r.stderr
+    r = snakemake("-n", "reproduce", *([how, f"experiment={bad}"] if how == "--config" else [how, str(bad)]))
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "Traceback" not in r.stdout + r.stderr and "File " not in r.stderr
+    [line] = error_lines(r)
+    assert "engine.max_num_seqz=4: unknown key" in line and "max_num_seqs" in line
+
+
+def test_missing_experiment_is_one_line_naming_the_experiments_there():
+    r = snakemake("-n", "reproduce", "--config", "experiment=experiments/nope.yaml")
+    assert r.returncode == 2, r.stdout + r.stderr
+    there = ", ".join(sorted(p.name for p in (ROOT / "experiments").glob("*.yaml")))
+    assert error_lines(r) == [f"error: experiment config 'experiments/nope.yaml' does not exist; experiments/ holds {there}"]
 
 
 def test_config_overrides_are_refused():
     r = snakemake("-n", "reproduce", "--config", "name=other")
-    assert r.returncode != 0
-    assert "--configfile" in r.stdout + r.stderr
+    assert r.returncode == 2
+    [line] = error_lines(r)
+    assert "--config name=..." in line and "experiment=" in line

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -27,7 +28,7 @@ import json, os, sys, yaml
 from pathlib import Path
 sys.path.insert(0, {str(Path(__file__).parent)!r})
 argv = sys.argv[1:]
-if argv[0] == "report":
+if argv[0] in ("report", "config"):
     os.execv(sys.executable, [sys.executable, "-m", "isoexec.cli", *argv])
 opt = {{argv[i]: argv[i + 1] for i in range(len(argv) - 1) if argv[i].startswith("--")}}
 cfg = yaml.safe_load(open(opt["--config"]))
@@ -95,6 +96,7 @@ def test_reproduce_runs_end_to_end_and_does_not_rerun_finished_stages(tmp_path):
         "notebooks/analysis.ipynb",
         "notebooks/analysis.html",
         "benchmarks/rl_native_seed0.tsv",
+        "experiment.json",
     ):
         assert (res / rel).stat().st_size > 0, rel
     assert (tmp_path / "runs" / "e2e" / "model" / "sft" / "model.safetensors").exists()
@@ -109,9 +111,14 @@ def test_reproduce_runs_end_to_end_and_does_not_rerun_finished_stages(tmp_path):
     again = snakemake(tmp_path, "-n", "reproduce")
     assert again.returncode == 0 and job_counts(again.stdout) == {}, again.stdout
 
-    # A changed rl section reruns the RL runs and the report, not the model, gates or engine check.
+    # A changed rl section under the same name is refused (results/e2e/experiment.json records the
+    # settings); once the results are deleted, only the stages that read the changed section rerun
+    # beside them: the model and SFT checkpoints in runs/ are kept.
     (tmp_path / "exp.yaml").write_text(config.replace("  steps: 3\n", "  steps: 4\n"))
     changed = snakemake(tmp_path, "-n", "reproduce")
-    counts = job_counts(changed.stdout)
-    assert counts.get("rl_train") == 4 and counts.get("notebook") == 1, changed.stdout
-    assert not {"init_model", "sft", "gates", "rollout_check"} & set(counts), counts
+    assert changed.returncode == 2 and "rl.steps: 3 -> 4" in changed.stderr, changed.stdout + changed.stderr
+    shutil.rmtree(res)
+    redo = snakemake(tmp_path, "-n", "reproduce")
+    counts = job_counts(redo.stdout)
+    assert counts.get("rl_train") == 4 and counts.get("notebook") == 1, redo.stdout
+    assert not {"init_model", "sft"} & set(counts), counts

@@ -3,7 +3,8 @@
 
 Cases: ``trainer_score`` (packed forward, no autograd), ``trainer_fwd`` (forward + backward),
 ``engine_prefill`` (whole prompts), ``engine_decode`` (one token per sequence per step from caches).
-Writes ``results/<exp>/bench/model_throughput.csv`` and ``.provenance.json``.
+Writes ``model_throughput.csv`` and ``model_throughput.provenance.json`` under ``runs/<exp>/bench/`` (not
+committed) or the ``--out-dir`` given; the committed reference is ``results/cpu-tiny/bench/``.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import time
 from pathlib import Path
 
 import torch
+import typer
 
 
 def _cases(model, seqs, decode_seqs: int, decode_steps: int):
@@ -54,22 +56,22 @@ def _cases(model, seqs, decode_seqs: int, decode_steps: int):
 
 
 def bench_command(
-    config: str = "experiments/cpu-tiny.yaml",
-    repeats: int = 5,
-    batch: int = 8,
-    seq_len: int = 128,
-    decode_seqs: int = 16,
-    decode_steps: int = 32,
-    threads: int = 1,
-    out_dir: str | None = None,
+    config: str = typer.Option("experiments/cpu-tiny.yaml", help="experiment YAML (its model and kernels)"),
+    repeats: int = typer.Option(5, min=1, help="timed repeats per case and kernel set (the median is reported)"),
+    batch: int = typer.Option(8, min=1, help="sequences per trainer / prefill batch"),
+    seq_len: int = typer.Option(128, min=1, help="tokens per sequence"),
+    decode_seqs: int = typer.Option(16, min=1, help="sequences decoded together"),
+    decode_steps: int = typer.Option(32, min=1, help="decode steps timed"),
+    threads: int = typer.Option(1, min=1, help="torch intra-op threads"),
+    out_dir: str = typer.Option(None, help="folder for model_throughput.csv and its provenance (default: "
+                                           "runs/<exp>/bench/, not committed; pass results/<exp>/bench to "
+                                           "replace the committed reference)"),
 ) -> None:
     """Tokens/s of isoexec vs native kernel sets on the experiment's model; prints and writes a CSV.
 
-    On CUDA (``device: cuda`` in the config) the Triton kernel set is required; a config
-    that asks for it where it is not available fails with a clear message.
+    On CUDA (device: cuda in the config) the Triton kernel set is required; a config that asks for it
+    where it is not available fails with a clear message.
     """
-    import typer
-
     from isoexec.config import load_config
     from isoexec.io import atomic_write_text, write_csv
     from isoexec.model.build import random_model
@@ -77,10 +79,13 @@ def bench_command(
 
     torch.set_num_threads(threads)
     cfg = load_config(config)
+    out = Path(out_dir) if out_dir else Path("runs") / cfg.name / "bench"
     if cfg.device == "cuda":  # Triton kernel set: kernel, CPR and model benchmarks on the GPU
+        if not torch.cuda.is_available():
+            raise ValueError(f"{config}: device: cuda needs a visible CUDA device; torch {torch.__version__} sees none")
         from isoexec.bench.gpu import gpu_bench_command
 
-        return gpu_bench_command(config, out_dir, "bench")
+        return gpu_bench_command(config, str(out), "bench")
     vocab = cfg.model.vocab_size or 256
     models = {ks: random_model(cfg.model, cfg.kernels, ks, vocab_size=vocab, device=cfg.device) for ks in ("isoexec", "native")}
     gen = torch.Generator().manual_seed(0)
@@ -104,6 +109,5 @@ def bench_command(
         rows.append(row)
         typer.echo(f"{case:15s} native {row['native_tok_s']:9.1f} tok/s  isoexec {row['isoexec_tok_s']:9.1f} tok/s  "
                    f"time ratio {row['time_ratio_isoexec_over_native']:.2f}x")
-    out = Path(out_dir) if out_dir else cfg.out_dir / "bench"
     write_csv(out / "model_throughput.csv", rows)
     atomic_write_text(out / "model_throughput.provenance.json", json.dumps(provenance(), indent=2, sort_keys=True) + "\n")

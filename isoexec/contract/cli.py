@@ -1,34 +1,27 @@
 """``isoexec contract show|diff|verify``: inspect, compare and verify saved contract files.
 
-Exit codes: ``show`` 0, or 1 if the file cannot be loaded; ``diff`` 0 if the ``numerical_policy``
-identities are equal (deployment differences are printed but allowed), 1 if they differ, 2 if a file
-cannot be loaded; ``verify`` 0 and ``OK`` with the digests, or 1 naming the identity and the edited
-field(s).
+Exit codes: 2 and one ``error:`` line when a file cannot be loaded (missing, malformed, invalid; the
+top-level CLI prints it). ``show`` 0; ``diff`` 0 if the ``numerical_policy`` identities are equal
+(deployment differences are printed but allowed), 1 if they differ, 2 if a file's content no longer
+matches its identities; ``verify`` 0 and ``OK`` with the digests, or 1 naming the identity and the
+edited field(s).
 """
 
 from __future__ import annotations
 
+import shutil
+import textwrap
 from pathlib import Path
 
 import typer
-from rich.console import Console
-from rich.table import Table
 
-from .errors import ContractError
+from .errors import ContractTampered
 from .handshake import diff as diff_contracts
 from .handshake import render
 from .schema import ExecutionContract
 from .store import load
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="Inspect, compare and verify execution contracts.")
-
-
-def _load_or_exit(path: Path, code: int) -> ExecutionContract:
-    try:
-        return load(path)
-    except (ContractError, OSError) as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(code) from None
 
 
 def _identities(c: ExecutionContract) -> list[str]:
@@ -40,37 +33,46 @@ def _identities(c: ExecutionContract) -> list[str]:
     ]
 
 
+def _wrapped(label: str, text: str, width: int, indent: int = 2) -> list[str]:
+    """``label`` then ``text`` wrapped to ``width`` columns under it (long words are never split)."""
+    head = " " * indent + f"{label:<10} "
+    return textwrap.wrap(text, width, initial_indent=head, subsequent_indent=" " * len(head),
+                         break_long_words=False, break_on_hyphens=False) or [head.rstrip()]
+
+
 @app.command()
 def show(path: Path = typer.Argument(..., help="contract file written by isoexec.contract.save")) -> None:
-    """Print a summary: identities, cases, composition (with constants) and claims."""
-    c = _load_or_exit(path, 1)
-    con = Console(width=max(Console().width, 160), highlight=False, markup=False)
-    con.print(str(path), style="bold")
-    for line in _identities(c):
-        con.print("  " + line)
-    con.print(f"cases: {', '.join(sorted(c.cases))}")
-    con.print(f"model: {render(c.model)}")
+    """Print a summary: identities, cases, composition (with constants) and claims.
 
-    t = Table(title="composition", show_lines=True)
-    for col in ("region", "cases", "impl", "version", "arch", "constants", "proof"):
-        t.add_column(col, no_wrap=col != "constants", overflow="fold")
+    One block per composition entry (region and cases, then impl/version/arch, constants, proof),
+    wrapped to the terminal width (80 columns when piped): nothing is cut at any width.
+    """
+    c = load(path)
+    width = max(shutil.get_terminal_size((80, 24)).columns, 40)
+    out = [str(path), *("  " + line for line in _identities(c))]
+    out += _wrapped("cases:", ", ".join(sorted(c.cases)), width, 0)
+    out += _wrapped("model:", render(c.model), width, 0)
+    out.append(f"composition ({len(c.composition)} entries)")
     for e in sorted(c.composition, key=lambda e: (e.region, sorted(e.cases))):
-        consts = "\n".join(f"{k}={render(v)}" for k, v in sorted(e.constants.items()))
-        t.add_row(e.region, "\n".join(sorted(e.cases)), e.impl, e.version, e.arch, consts, e.proof)
-    con.print(t)
-
+        out.append(f"  {e.region}")
+        out += _wrapped("cases", ", ".join(sorted(e.cases)), width, 4)
+        out += _wrapped("impl", f"{e.impl} version {e.version} arch {e.arch}", width, 4)
+        out += _wrapped("constants", ", ".join(f"{k}={render(v)}" for k, v in sorted(e.constants.items())) or "-",
+                        width, 4)
+        out += _wrapped("proof", e.proof, width, 4)
     cl = c.claims
-    con.print("claims", style="bold")
+    out.append("claims")
     for dim, tc in sorted(cl.topology.items()):
         what = f"pinned {tc.pinned}" if tc.pinned is not None else f"in {{{', '.join(map(str, sorted(tc.domain)))}}}"
-        con.print(f"  topology {dim}: {what}")
+        out.append(f"  topology {dim}: {what}")
     for ev, states in sorted(cl.state.items()):
-        con.print(f"  state {ev} invalidates: {', '.join(sorted(states))}")
+        out += _wrapped(f"state {ev} invalidates:", ", ".join(sorted(states)), width)
     for k, v in sorted(cl.tolerances.items()):
-        con.print(f"  tolerance {k} <= {render(float(v))}")
+        out.append(f"  tolerance {k} <= {render(float(v))}")
     for k, v in sorted(cl.engine.items()):
-        con.print(f"  engine {k} = {render(v)}")
-    con.print(f"deployment: {render(c.deployment)}")
+        out.append(f"  engine {k} = {render(v)}")
+    out += _wrapped("deployment:", render(c.deployment), width, 0)
+    typer.echo("\n".join(out))
 
 
 @app.command()
@@ -79,7 +81,7 @@ def diff(
     b: Path = typer.Argument(..., help="second contract file"),
 ) -> None:
     """Print the differences between two contracts; exit 1 if their numerical_policy differs."""
-    ca, cb = _load_or_exit(a, 2), _load_or_exit(b, 2)
+    ca, cb = load(a), load(b)
     lines = diff_contracts(ca, cb)
     pa, pb = ca.identities.numerical_policy, cb.identities.numerical_policy
     for line in lines:
@@ -96,7 +98,13 @@ def diff(
 @app.command()
 def verify(path: Path = typer.Argument(..., help="contract file to verify")) -> None:
     """Re-verify a contract file's identities; exit 1 naming the edited field(s) if they no longer match."""
-    c = _load_or_exit(path, 1)
+    from isoexec.cli import error_line
+
+    try:
+        c = load(path)
+    except ContractTampered as e:
+        typer.echo(error_line(e), err=True)
+        raise typer.Exit(1) from None
     typer.echo(f"OK {path}")
     for line in _identities(c):
         typer.echo("  " + line)

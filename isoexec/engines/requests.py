@@ -165,7 +165,8 @@ class IsoExecRequestGuard(LogitsProcessor):
 
 
 class IsoExecRenderer(HfRenderer):
-    """vLLM's Hugging Face renderer with a token-id check that also runs without a tokenizer.
+    """vLLM's Hugging Face renderer with a token-id check that also runs without a tokenizer, and a
+    clear refusal of chat messages without one (:meth:`render_messages`).
 
     Works around vLLM 0.32.0 ``BaseRenderer.validate_token_ids`` (``vllm/renderers/base.py`` lines
     420-455), which returns at once when no tokenizer is loaded (``skip_tokenizer_init=True``, as
@@ -177,6 +178,25 @@ class IsoExecRenderer(HfRenderer):
     def validate_token_ids(self, token_ids: Sequence[int], *, parameter: str | None = None) -> None:
         """Raises ``isoexec.model.inputs.InputError`` naming the first id outside ``[0, V)``, its position and V."""
         check_token_ids(token_ids, self.model_config.get_vocab_size(), parameter or "prompt_token_ids")
+
+    def render_messages(self, messages: Any, params: Any) -> Any:
+        """Chat messages need a tokenizer; without one (``skip_tokenizer_init=True``) this says so.
+
+        vLLM 0.32.0 ``LLM.__init__`` warms the chat template up (``BaseRenderer.warmup``,
+        ``vllm/renderers/base.py`` lines 353-387) without checking for a tokenizer, and logs the
+        resulting ``ValueError`` as a warning with its traceback in every engine log. A
+        ``ChatTemplateResolutionError`` is what that warm-up expects from a model without a chat
+        template (logged at debug level), and what ``LLM.chat`` then raises.
+
+        Raises:
+            vllm.renderers.chat_utils.ChatTemplateResolutionError: the engine has no tokenizer.
+        """
+        if self.tokenizer is None:
+            from vllm.renderers.chat_utils import ChatTemplateResolutionError
+
+            raise ChatTemplateResolutionError(
+                "this engine takes prompt token ids only (skip_tokenizer_init=True): no chat template")
+        return super().render_messages(messages, params)
 
 
 def check_native_checkpoint(path: str | Path) -> None:

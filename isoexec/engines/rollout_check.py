@@ -166,17 +166,20 @@ def default_checkpoint(cfg: ExperimentConfig) -> Path:
 def rollout_check_command(
     config: str = typer.Option(..., "--config", help="experiment YAML"),
     checkpoint: str = typer.Option(None, "--checkpoint", help="HF checkpoint dir (default: runs/<exp>/model/init, else a random init)"),
-    modes: str = typer.Option("native,isoexec", "--modes", help="comma-separated modes"),
+    modes: str = typer.Option("native,isoexec", "--modes", help="comma-separated modes: native, isoexec"),
     model_factory: str = typer.Option(None, "--model-factory", help="isoexec: module:Class with from_pretrained (default isoexec.model:UnifiedModel)"),
 ) -> None:
     """Engine (vLLM) vs trainer logprobs on sampled rollouts, per mode; one JSON line per mode."""
     from .vllm_engine import vllm_env_defaults
 
+    chosen = [m.strip() for m in modes.split(",") if m.strip()]
+    if not chosen or set(chosen) - {"native", "isoexec"}:
+        raise typer.BadParameter(f"{modes!r}: expected comma-separated modes from native, isoexec", param_hint="--modes")
     vllm_env_defaults()
     cfg = load_config(config)
     ckpt = Path(checkpoint) if checkpoint else default_checkpoint(cfg)
     results = []
-    for mode in [m.strip() for m in modes.split(",") if m.strip()]:
+    for mode in chosen:
         res = run_mode(cfg, mode, ckpt, model_factory=model_factory)
         print(json.dumps(res), flush=True)
         results.append(res)

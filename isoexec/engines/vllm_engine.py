@@ -70,6 +70,9 @@ class RolloutEngine:
         ValueError: native mode, a checkpoint vLLM's built-in model would load wrongly (tied
             embeddings without ``lm_head.weight``).
 
+    In-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) the whole process runs at one torch thread
+    from the engine's start on, as vLLM serves (``vllm_compat.serve_at_one_thread``).
+
     Every request is checked at admission, whichever API it comes through (``generate`` or
     ``self.llm.generate``): prompt token ids against the vocabulary (both modes), sampling settings
     against the contract (isoexec); see ``isoexec.engines.requests``.
@@ -113,9 +116,11 @@ class RolloutEngine:
         if engine.num_kv_blocks_override is not None:
             kw["num_gpu_blocks_override"] = engine.num_kv_blocks_override
         from .requests import GUARD, RENDERER_MODE, check_native_checkpoint
+        from .vllm_compat import serve_at_one_thread
         from .vllm_plugin import register
 
         register()  # in-process; worker subprocesses get it from the entry point
+        serve_at_one_thread()  # before the worker exists: no OpenMP spin-wait in-process
         kw["tokenizer_mode"] = RENDERER_MODE  # prompt token ids range-checked per request (both modes)
         if mode == "isoexec":
             kw["logits_processors"] = [GUARD]  # sampling settings checked per request

@@ -15,6 +15,7 @@ import random
 from dataclasses import asdict, dataclass
 
 import torch
+import typer
 
 from isoexec.io import csv_text
 from isoexec.model.unified import UnifiedModel
@@ -202,14 +203,17 @@ def write_gate_outputs(out, results: list[GateResult], contract) -> None:
     atomic_write_text(out / "gates.provenance.json", json.dumps(provenance(), indent=2, sort_keys=True) + "\n")
 
 
-def gates_command(config: str = "experiments/cpu-tiny.yaml", out_dir: str | None = None, threads: int = 1) -> None:
+def gates_command(
+    config: str = typer.Option("experiments/cpu-tiny.yaml", help="experiment YAML"),
+    out_dir: str = typer.Option(None, help="folder for contract.json, gates.csv, gates.provenance.json "
+                                           "(default: results/<exp>/)"),
+    threads: int = typer.Option(1, min=1, help="torch intra-op threads"),
+) -> None:
     """Run the bitwise gate matrix of an experiment: writes contract.json, gates.csv and gates.provenance.json.
 
-    Exits non-zero when an isoexec cell is not bitwise equal (the contract's tolerance is 0.0).
+    Exits 1 when an isoexec cell is not bitwise equal (the contract's tolerance is 0.0).
     """
     from pathlib import Path
-
-    import typer
 
     from isoexec.config import load_config
 

@@ -7,7 +7,8 @@ from typing import Annotated
 
 import typer
 
-app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
+app = typer.Typer(no_args_is_help=True, add_completion=False,
+                  help="Summary tables, figures and the analysis notebook of an experiment's paired RL runs.")
 
 ExpDir = Annotated[
     Path,
@@ -24,17 +25,13 @@ Seeds = Annotated[
 
 
 def _run(kind: str, exp_dir: Path, modes: list[str] | None, seeds: list[int] | None) -> None:
-    from isoexec.report.data import MetricsError
-
+    """Write the tables or figures; a missing folder or bad metrics (``MetricsError``) propagate to the
+    top-level CLI, which prints one ``error:`` line and exits 2."""
     if kind == "tables":
         from isoexec.report.tables import write_tables as write
     else:
         from isoexec.report.figures import write_figures as write
-    try:
-        paths = write(exp_dir, modes or None, seeds or None)
-    except (MetricsError, FileNotFoundError) as e:
-        typer.secho(f"isoexec report {kind}: {e}", fg="red", err=True)
-        raise typer.Exit(1) from None
+    paths = write(exp_dir, modes or None, seeds or None)
     for p in paths:
         typer.echo(f"wrote {p}")
 
@@ -49,3 +46,17 @@ def tables_command(exp_dir: ExpDir, mode: Modes = None, seed: Seeds = None) -> N
 def figures_command(exp_dir: ExpDir, mode: Modes = None, seed: Seeds = None) -> None:
     """Write figures/{logprob_diff,reward,time}.{png,pdf}."""
     _run("figures", exp_dir, mode, seed)
+
+
+@app.command("notebook")
+def notebook_command(
+    exp_dir: ExpDir,
+    notebook: Annotated[Path, typer.Option(help="the analysis notebook to execute")] = Path("notebooks/analysis.ipynb"),
+    out_dir: Annotated[Path, typer.Option(help="folder for the executed .ipynb and .html (default: EXP_DIR/notebooks)")] = None,
+) -> None:
+    """Execute the analysis notebook for an experiment and export it to HTML (stable bytes for the same results)."""
+    from isoexec.report.notebook import run_notebook
+
+    for p in run_notebook(notebook, exp_dir, out_dir or exp_dir / "notebooks"):
+        typer.echo(f"wrote {p}")
+

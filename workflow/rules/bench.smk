@@ -1,14 +1,16 @@
-# Kernel benchmarks (DESIGN.md §5.3): not part of `reproduce` (timing needs a quiet machine).
+# Kernel benchmarks (DESIGN.md §5.3): not part of `reproduce` (timing needs a quiet machine). Written
+# under runs/<exp>/bench/ (not committed); the committed reference results/cpu-tiny/bench/ is replaced
+# only on purpose, with `isoexec bench --out-dir results/cpu-tiny/bench`.
 
 
 rule kernel_bench:
     """Each IsoExec kernel against the native one on the same shapes; the CPR per-layer table."""
     output:
-        directory(f"{RES}/bench"),
+        directory(f"{RUNS}/bench"),
     log:
         f"{LOGS}/kernel_bench.log",
     benchmark:
-        f"{BENCH}/kernel_bench.tsv"
+        f"{RUNS}/benchmarks/kernel_bench.tsv"
     conda:
         "../envs/isoexec.yaml"
     threads: ALL_CORES
@@ -16,4 +18,4 @@ rule kernel_bench:
         config=CONFIGFILE,
         settings=settings_digest("device", "model", "kernels"),
     shell:
-        "isoexec bench --config {params.config} > {log} 2>&1"
+        "isoexec bench --config {params.config} --out-dir {output} > {log} 2>&1"

@@ -7,40 +7,57 @@ import sys
 from pathlib import Path
 import shutil
 
+from isoexec.cli import error_line
 from isoexec.config import load_config
-from snakemake.exceptions import WorkflowError
+from isoexec.settings import RECORD, settings_conflict
 
 DEFAULT_CONFIGFILE = "experiments/cpu-tiny.yaml"
 
 
+def refuse(problem):
+    """Stop before any job with one line, `error: ...` (the isoexec CLI's style), and exit status 2."""
+    print(error_line(problem), file=sys.stderr)
+    sys.exit(2)
+
+
 def experiment_config_path():
-    """The experiment YAML the isoexec commands get: the --configfile given, else the default."""
-    if workflow.config_settings.config:
-        raise WorkflowError(
-            "--config KEY=VALUE overrides are not supported: every isoexec command reads the experiment "
-            "YAML itself, so an override would not reach it. Write experiments/<name>.yaml (with its own "
-            "name) and pass it with --configfile."
+    """The experiment YAML the isoexec commands get: `--config experiment=FILE`, or `--configfile FILE`
+    (snakemake reads that file itself first: a misspelled path ends in its own traceback), else the default.
+    """
+    given = dict(workflow.config_settings.config or {})
+    chosen = given.pop("experiment", None)
+    if given:
+        refuse(
+            f"--config {' '.join(f'{k}=...' for k in given)}: the only key taken is experiment=FILE; "
+            "every isoexec command reads the experiment YAML itself, so an override would not reach it: "
+            "write experiments/<name>.yaml (with its own name) and pass --config experiment=experiments/<name>.yaml"
         )
-    given = workflow.config_settings.configfiles
-    if len(given) > 1:
-        raise WorkflowError(
-            f"pass one experiment with --configfile, got {len(given)}: {given}"
+    files = [str(f) for f in workflow.config_settings.configfiles]
+    if len(files) + (chosen is not None) > 1:
+        refuse(
+            f"pass one experiment (--config experiment=FILE), got {', '.join(files + ([str(chosen)] if chosen else []))}"
         )
-    if not given:
-        return DEFAULT_CONFIGFILE
-    path = Path(given[0])
+    path = Path(
+        str(chosen) if chosen is not None else files[0] if files else DEFAULT_CONFIGFILE
+    )
     try:  # keep it relative to the working directory where possible (logs, provenance read better)
-        return str(path.relative_to(Path.cwd()))
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
     except ValueError:
         return str(path)
 
 
 def validated_config(path):
-    """load_config(path): pydantic validation; a typo fails here, before any job, naming the key."""
+    """load_config(path): pydantic validation, then the settings record of results/<name>/: a typo, or
+    settings that differ from those the results of this name were made with, stop here before any job.
+    """
     try:
-        return load_config(path)
+        cfg = load_config(path)
+        conflict = settings_conflict(cfg, path)
     except (FileNotFoundError, ValueError) as e:
-        raise WorkflowError(str(e)) from None
+        refuse(e)
+    if conflict:
+        refuse(conflict)
+    return cfg
 
 
 def settings_digest(*sections):
@@ -63,6 +80,7 @@ CONFIGFILE = experiment_config_path()
 CFG = validated_config(CONFIGFILE)
 EXP = CFG.name
 RES = str(CFG.out_dir)  # results/<exp>: small files only, committed
+SETTINGS = f"{RES}/{RECORD}"  # the validated config these results were made with
 RUNS = f"runs/{EXP}"  # models and checkpoints, not committed
 LOGS = f"logs/{EXP}"
 BENCH = f"{RES}/benchmarks"

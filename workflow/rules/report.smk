@@ -64,7 +64,8 @@ rule report_figures:
 
 
 rule notebook:
-    """notebooks/analysis.ipynb executed with papermill for this experiment, then exported to HTML."""
+    """notebooks/analysis.ipynb executed with papermill for this experiment, exported to HTML; no
+    run-to-run timestamps or random ids, so unchanged results give unchanged files."""
     input:
         notebook=NOTEBOOK,
         tables=TABLES,
@@ -88,7 +89,5 @@ rule notebook:
         out_dir=lambda wildcards, output: os.path.dirname(output.html),
     shell:
         "{params.python} -m ipykernel install --sys-prefix --name python3 > {log} 2>&1"
-        " && {params.python} -m papermill --log-output -k python3 -p exp_dir {params.exp_dir}"
-        " {input.notebook} {output.ipynb} >> {log} 2>&1"
-        " && {params.python} -m jupyter nbconvert --to html --output-dir {params.out_dir}"
-        " {output.ipynb} >> {log} 2>&1"
+        " && isoexec report notebook --exp-dir {params.exp_dir} --notebook {input.notebook}"
+        " --out-dir {params.out_dir} >> {log} 2>&1"

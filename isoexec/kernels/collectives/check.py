@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 import torch
+import typer
 
 from isoexec.kernels.collectives.gloo import run_gloo
 from isoexec.kernels.collectives.pik import native_row_parallel_linear, pik_row_parallel_linear
@@ -23,14 +24,52 @@ def _demo_worker(rank: int, world: int, n: int, k: int, m: int, leaves: int, see
     return {"pik": pik, "native": nat, "pik_s": t1 - t0, "native_s": t2 - t1}
 
 
-def pik_check_command(
-    tp: str = "1,2,4", n: int = 16, k: int = 4096, m: int = 64, leaves: int = 8, seed: int = 0
-) -> None:
-    """Row-parallel linear on gloo for each TP degree: pik must be bitwise equal across TP, the native
-    all-reduce control is reported (max abs diff and differing elements vs TP 1). Exits 1 if pik differs."""
+def parse_degrees(tp: str, leaves: int, k: int) -> list[int]:
+    """The TP degrees of ``--tp`` (comma-separated), checked against what pik is invariant over.
+
+    Returns:
+        The degrees in the order given.
+
+    Raises:
+        typer.BadParameter: a word that is not an integer, no degree at all, a degree that is not a
+            power of two dividing ``leaves`` (:func:`~isoexec.kernels.collectives.pik.pik_degrees`),
+            or ``k`` not divisible by ``leaves``; the message names the value and what is allowed.
+    """
     import typer
 
-    degrees = [int(t) for t in tp.split(",")]
+    from isoexec.kernels.collectives.pik import pik_degrees
+
+    try:
+        allowed = pik_degrees(leaves)
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--leaves") from None
+    if k % leaves:
+        raise typer.BadParameter(f"--k {k} is not divisible by --leaves {leaves} (each leaf is K/leaves features)",
+                                 param_hint="--k")
+    words = [w.strip() for w in tp.split(",") if w.strip()]
+    bad = [w for w in words if not w.isdigit() or int(w) not in allowed]
+    if not words or bad:
+        raise typer.BadParameter(
+            f"{tp!r}: expected comma-separated TP degrees from {', '.join(map(str, allowed))} "
+            f"(powers of two dividing --leaves {leaves})" + (f"; not allowed: {', '.join(bad)}" if bad else ""),
+            param_hint="--tp")
+    return [int(w) for w in words]
+
+
+def pik_check_command(
+    tp: str = typer.Option("1,2,4", help="comma-separated TP degrees to run, each a power of two dividing --leaves; "
+                                         "the first is the reference"),
+    n: int = typer.Option(16, min=1, help="rows N of the input X (N x K)"),
+    k: int = typer.Option(4096, min=1, help="input features K, sharded over the TP ranks; a multiple of --leaves"),
+    m: int = typer.Option(64, min=1, help="output features M of the weight W (M x K)"),
+    leaves: int = typer.Option(8, min=1, help="G: fixed K leaves of the pik reduction tree (a power of two)"),
+    seed: int = typer.Option(0, help="seed of the random X and W"),
+) -> None:
+    """TP-invariant row-parallel GEMM (pik) over gloo against the native all-reduce, per TP degree.
+
+    Exits 1 if pik is not bitwise equal across the degrees; the native control's differences are shown.
+    """
+    degrees = parse_degrees(tp, leaves, k)
     ref = None
     bad = 0
     for d in degrees:

@@ -1,0 +1,111 @@
+"""One error style for every `isoexec` command: one line `error: ...` naming the value and what is
+allowed, exit status 2 for bad input (1 for an internal error), the traceback only with `--debug`."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import typer
+from typer.main import get_command
+from typer.testing import CliRunner
+
+from isoexec.cli import IsoexecGroup, app
+
+ROOT = Path(__file__).resolve().parents[1]
+runner = CliRunner()
+
+
+def invoke(*args: str):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def assert_one_error_line(r, *needles: str, code: int = 2) -> None:
+    out = r.stderr + r.stdout
+    assert r.exit_code == code, out
+    assert out.startswith("error: ") and out.count("\n") == 1, out
+    assert "Traceback" not in out
+    for n in needles:
+        assert n in out, (n, out)
+
+
+@pytest.fixture
+def typo_config(tmp_path):
+    bad = tmp_path / "typo.yaml"
+    bad.write_text((ROOT / "experiments" / "ci-tiny.yaml").read_text().replace("engine:\n", "engine:\n  max_num_seqz: 4\n"))
+    return bad
+
+
+def test_missing_config_is_one_line_naming_the_file_and_the_experiments_there():
+    r = invoke("gates", "--config", ROOT / "experiments" / "nope.yaml")
+    assert_one_error_line(r, "nope.yaml' does not exist", "ci-tiny.yaml, cpu-tiny.yaml")
+
+
+def test_config_typo_is_one_line_naming_the_key_and_the_allowed_keys(typo_config):
+    r = invoke("bench", "--config", typo_config)
+    assert_one_error_line(r, "engine.max_num_seqz=4: unknown key", "max_num_seqs")
+
+
+@pytest.mark.parametrize("tp, wrong", [("1,x", "not allowed: x"), ("1,3", "not allowed: 3"), ("", "'': expected")])
+def test_pik_check_tp_is_checked_before_any_process_starts(tp, wrong):
+    r = invoke("pik-check", "--tp", tp)
+    assert_one_error_line(r, "--tp", wrong, "1, 2, 4, 8")
+
+
+def test_typed_option_and_choice_errors_are_one_line():
+    assert_one_error_line(invoke("bench", "--repeats", "x"), "isoexec bench", "--repeats")
+    assert_one_error_line(invoke("rollout-check", "--config", "x.yaml", "--modes", "native,foo"), "--modes", "native, isoexec")
+    assert_one_error_line(invoke("rl", "train", "--config", "x.yaml", "--mode", "foo", "--seed", "0", "--init", "i",
+                                 "--out", "o"), "--mode must be native or isoexec")
+    assert_one_error_line(invoke("nope"), "No such command 'nope'")
+
+
+def test_contract_and_report_errors_share_the_style(tmp_path):
+    assert_one_error_line(invoke("contract", "show", tmp_path / "none.json"), "none.json: No such file or directory")
+    assert_one_error_line(invoke("report", "tables", "--exp-dir", tmp_path / "nope"), "nope")
+
+
+def test_an_internal_error_names_its_type_and_exits_one():
+    boom = typer.Typer(cls=IsoexecGroup)
+
+    @boom.command()
+    def explode() -> None:
+        raise RuntimeError("disk on fire")
+
+    @boom.command()
+    def other() -> None:  # two commands: a group, so the command name is an argument
+        pass
+
+    r = runner.invoke(boom, ["explode"])
+    assert_one_error_line(r, "internal error: RuntimeError: disk on fire", "--debug", code=1)
+
+
+def test_debug_shows_the_traceback():
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    plain = subprocess.run([sys.executable, "-m", "isoexec.cli", "gates", "--config", "nope.yaml"],
+                           capture_output=True, text=True, env=env, cwd=ROOT)
+    debug = subprocess.run([sys.executable, "-m", "isoexec.cli", "--debug", "gates", "--config", "nope.yaml"],
+                           capture_output=True, text=True, env=env, cwd=ROOT)
+    assert plain.returncode == 2 and plain.stderr.count("\n") == 1 and "Traceback" not in plain.stderr
+    assert debug.returncode != 0 and "Traceback" in debug.stderr and "FileNotFoundError" in debug.stderr
+
+
+def _commands(cmd, path=("isoexec",)):
+    yield path, cmd
+    for name, sub in getattr(cmd, "commands", {}).items():
+        yield from _commands(sub, (*path, name))
+
+
+def test_help_has_no_literal_markup_and_every_option_says_what_it_is():
+    root = get_command(app)
+    for path, cmd in _commands(root):
+        assert "``" not in (cmd.help or ""), path
+        for p in cmd.params:
+            if p.name != "help" and getattr(p, "param_type_name", "") == "option":
+                assert p.help, f"{' '.join(path)} {p.opts[0]} has no help text"
+                assert "``" not in p.help and "[" not in p.help, (path, p.opts[0])  # rich reads [..] as markup
+    r = invoke("--help")
+    assert r.exit_code == 0 and "``" not in r.output and "--debug" in r.output

@@ -1,0 +1,36 @@
+"""The executed analysis notebook and its HTML export have stable bytes: executing it again on the
+same results rewrites nothing (no timestamps, durations or random cell ids)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("papermill", reason="the analysis extra (papermill, nbconvert) is not installed")
+
+from isoexec.report.figures import write_figures  # noqa: E402
+from isoexec.report.notebook import INJECTED_ID, run_notebook  # noqa: E402
+from isoexec.report.tables import write_tables  # noqa: E402
+from test_report_tables import write_synthetic_runs  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_executing_twice_gives_the_same_bytes(tmp_path):
+    exp = tmp_path / "results" / "nb"
+    write_synthetic_runs(exp)
+    write_tables(exp)
+    write_figures(exp)
+    (exp / "gates.csv").write_text("region,case_a,case_b,kernel_set,bitwise_equal\nlm_head,trainer_score,engine_decode,isoexec,True\n")
+    (exp / "rollout_check.json").write_text(json.dumps({"results": [{"mode": "isoexec", "mismatch_count": 0}]}))
+    first = run_notebook(ROOT / "notebooks" / "analysis.ipynb", exp, tmp_path / "a")
+    second = run_notebook(ROOT / "notebooks" / "analysis.ipynb", exp, tmp_path / "b")
+    for a, b in zip(first, second):
+        assert a.read_bytes() == b.read_bytes(), a.name
+    nb = json.loads(first[0].read_text())
+    text = first[0].read_text()
+    assert "start_time" not in text and "iopub" not in text and "duration" not in text
+    assert INJECTED_ID in [c["id"] for c in nb["cells"]]
+    assert nb["metadata"]["papermill"]["parameters"] == {"exp_dir": str(exp)}
