@@ -5,7 +5,7 @@ One-liners for the workflow rules::
     isoexec rl init-model --config X.yaml --out runs/model/init
     isoexec rl sft   --config X.yaml --init runs/model/init --out runs/model/sft
     isoexec rl train --config X.yaml --mode native --seed 0 --init runs/model/sft \\
-        --out results/<exp>/rl/native/seed0 [--steps N] [--threads 1]
+        --out results/<exp>/rl/native/seed0 [--steps N] [--driver loop|skyrl] [--threads 1]
 
 The trainer and engine backends come from the experiment's ``trainer.backend`` / ``engine.backend``.
 """
@@ -67,15 +67,32 @@ def train(config: Path = typer.Option(..., help="experiment YAML"),
           init: Path = typer.Option(..., help="the SFT checkpoint"),
           out: Path = typer.Option(..., help="results/<exp>/rl/<mode>/seed<k>"),
           steps: int | None = typer.Option(None, help="override rl.steps"),
+          driver: str = typer.Option("loop", help="loop (isoexec's own loop) | skyrl (SkyRL's RayPPOTrainer, "
+                                                  "Ray started locally; needs the skyrl extra)"),
           threads: int = _THREADS) -> None:
     """One paired-run half: GRPO/DAPO steps of MODE from INIT; writes metrics.jsonl + provenance.json."""
     from isoexec.config import load_config
-    from isoexec.rl.loop import run_rl
 
     if mode not in ("native", "isoexec"):
         raise typer.BadParameter("--mode must be native or isoexec")
+    if driver not in ("loop", "skyrl"):
+        raise typer.BadParameter("--driver must be loop or skyrl")
+    if driver == "skyrl" and load_config(config).engine.backend != "vllm":
+        raise typer.BadParameter("--driver skyrl runs the vLLM engine only (engine.backend: vllm)")
     _setup(threads)
-    rows = run_rl(load_config(config), mode, seed, init, out, steps=steps)
+    cfg = load_config(config)
+    if driver == "skyrl":
+        from isoexec.rl.skyrl.driver import run_skyrl
+
+        rows = run_skyrl(cfg, mode, seed, init, out, steps=steps, threads=threads)
+    else:
+        from isoexec.rl.loop import run_rl
+
+        rows = run_rl(cfg, mode, seed, init, out, steps=steps)
+    _summary(mode, seed, rows, out)
+
+
+def _summary(mode: str, seed: int, rows: list[dict], out: Path) -> None:
     t = sum(r["time/step"] for r in rows) / max(1, len(rows))
     typer.echo(f"{mode} seed {seed}: {len(rows)} steps, mean step {t:.2f}s, final reward "
                f"{rows[-1]['reward_mean'] if rows else float('nan'):.3f}; wrote {out}/metrics.jsonl")

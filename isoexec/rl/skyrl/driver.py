@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -208,8 +209,8 @@ def run_skyrl(config: ExperimentConfig, mode: str, seed: int, init_dir: str | Pa
     """A paired-run half through SkyRL; same outputs as :func:`isoexec.rl.loop.run_rl`.
 
     Starts Ray locally (2 CPUs, logical GPUs for the trainer actor; :mod:`~isoexec.rl.skyrl.compat`)
-    unless Ray is already initialized, writes the task's parquet and SkyRL's scratch files under
-    ``out_dir/skyrl/``, ``provenance.json`` (with the rendered SkyRL overrides) and ``metrics.jsonl``.
+    unless Ray is already initialized; the task's parquet lives in a temporary directory for the run.
+    Writes ``out_dir/provenance.json`` (with the rendered SkyRL overrides) and ``out_dir/metrics.jsonl``.
 
     Args:
         engine_config: the experiment as the engine sees it (default ``config``); differs only in
@@ -226,8 +227,12 @@ def run_skyrl(config: ExperimentConfig, mode: str, seed: int, init_dir: str | Pa
         raise ValueError(f"mode must be 'native' or 'isoexec', got {mode!r}")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    scratch = out_dir / "skyrl"
     steps = config.rl.steps if steps is None else steps
+    with tempfile.TemporaryDirectory(prefix="isoexec-skyrl-") as scratch:
+        return _run(config, mode, seed, init_dir, out_dir, steps, command, threads, engine_config, Path(scratch))
+
+
+def _run(config, mode, seed, init_dir, out_dir, steps, command, threads, engine_config, scratch: Path):
     data = write_train_data(config.task, scratch / "train.parquet")
     overrides = local_overrides(config, mode, seed, init_dir, data, scratch, steps, threads)
     cfg = build(overrides)
