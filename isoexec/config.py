@@ -234,6 +234,27 @@ class EngineSection(_Section):
     )
 
 
+class SkyRLSection(_Section):
+    """A GPU-node run through SkyRL's own entry point (``isoexec rl skyrl-launch``; isoexec.rl.skyrl.render).
+
+    SkyRL's Megatron policy worker trains, SkyRL's vLLM servers generate (isoexec mode: with the
+    isoexec plugin's architecture); the ``rl`` section gives the algorithm, this one the cluster.
+    """
+
+    model_path: str = Field(description="Hugging Face id or directory of the policy checkpoint")
+    train_data: str = Field(description="parquet in SkyRL's prompt schema (prompt, env_class, reward_spec)")
+    env_class: str = Field("aime", description="skyrl-gym env scoring the responses (aime: the DAPO-Math verifier)")
+    num_gpus: PositiveInt = 8
+    colocate: bool = Field(True, description="trainer and vLLM servers share the GPUs (SkyRL colocate_all)")
+    megatron_tp: PositiveInt = 1
+    megatron_ep: PositiveInt = 1
+    inference_engines: PositiveInt = 1
+    inference_tp: PositiveInt = 8
+    max_prompt_length: PositiveInt = 2048
+    micro_batch_size: PositiveInt = 1
+    gpu_memory_utilization: PositiveFloat = 0.6
+
+
 class ExperimentConfig(_Section):
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", description="results/<name>/: letters, digits, _ . -")
     device: Literal["cpu", "cuda"] = "cpu"
@@ -246,6 +267,7 @@ class ExperimentConfig(_Section):
     rl: RLSection = RLSection()
     trainer: TrainerSection = TrainerSection()
     engine: EngineSection = EngineSection()
+    skyrl: SkyRLSection | None = None
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "ExperimentConfig":

@@ -13,6 +13,7 @@ The trainer and engine backends come from the experiment's ``trainer.backend`` /
 from __future__ import annotations
 
 import logging
+import sys
 from pathlib import Path
 
 import typer
@@ -96,3 +97,43 @@ def _summary(mode: str, seed: int, rows: list[dict], out: Path) -> None:
     t = sum(r["time/step"] for r in rows) / max(1, len(rows))
     typer.echo(f"{mode} seed {seed}: {len(rows)} steps, mean step {t:.2f}s, final reward "
                f"{rows[-1]['reward_mean'] if rows else float('nan'):.3f}; wrote {out}/metrics.jsonl")
+
+
+@app.command("skyrl-config")
+def skyrl_config(config: Path = typer.Option(..., help="experiment YAML with a skyrl section"),
+                 mode: str = typer.Option(..., help="native | isoexec"),
+                 out: Path = typer.Option(..., help="YAML file of SkyRL overrides to write")) -> None:
+    """Render the GPU-node SkyRL configuration (SkyRL's dot-path overrides) of one mode, validated by SkyRL."""
+    import yaml
+
+    from isoexec.config import load_config
+    from isoexec.rl.skyrl import compat
+
+    compat.install()
+    from isoexec.rl.skyrl.render import build, recipe_overrides
+
+    overrides = recipe_overrides(load_config(config), mode)
+    build(overrides)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(yaml.safe_dump(overrides, sort_keys=True))
+    typer.echo(f"wrote {out}")
+
+
+@app.command("skyrl-launch")
+def skyrl_launch(rendered: Path = typer.Option(..., help="overrides written by skyrl-config"),
+                 dry_run: bool = typer.Option(False, help="print the command and environment only")) -> None:
+    """Run SkyRL's entry point (Megatron worker, SkyRL's vLLM servers with the isoexec plugin) on a GPU node."""
+    import os
+    import shlex
+
+    import yaml
+
+    from isoexec.rl.skyrl import compat
+
+    compat.install()
+    from isoexec.rl.skyrl.render import RECIPE_ENV, launch_command
+
+    cmd = launch_command(yaml.safe_load(rendered.read_text()), python=sys.executable)
+    typer.echo(" ".join(f"{k}={v}" for k, v in RECIPE_ENV.items()) + " " + shlex.join(cmd))
+    if not dry_run:
+        os.execvpe(cmd[0], cmd, {**os.environ, **RECIPE_ENV})

@@ -164,3 +164,83 @@ def build(overrides: dict[str, Any]):
     cfg = SkyRLTrainConfig.from_cli_overrides(dict(overrides))
     validate_cfg(cfg)
     return cfg
+
+
+def recipe_overrides(exp: ExperimentConfig, mode: str) -> dict[str, Any]:
+    """Overrides for SkyRL's own entry point on a GPU node (``experiments/*`` with a ``skyrl`` section).
+
+    SkyRL's Megatron policy worker and SkyRL's vLLM servers, colocated. In isoexec mode the servers
+    build the isoexec architecture (registered in every vLLM process by the ``vllm.general_plugins``
+    entry point ``isoexec``), with the experiment's kernel section and raw-logit logprobs, exactly
+    as :class:`isoexec.engines.vllm_engine.RolloutEngine` configures an in-process engine.
+
+    Raises:
+        ValueError: the experiment has no ``skyrl`` section, or ``mode`` is not native / isoexec.
+    """
+    from isoexec.engines.vllm_plugin import ARCH, DEFAULT_FACTORY, REQUIRED_LOGPROBS_MODE
+
+    if exp.skyrl is None:
+        raise ValueError(f"experiment {exp.name!r} has no skyrl section (model_path, train_data, cluster)")
+    if mode not in ("native", "isoexec"):
+        raise ValueError(f"mode must be 'native' or 'isoexec', got {mode!r}")
+    s, e = exp.skyrl, exp.engine
+    init_kwargs: dict[str, Any] = {"logprobs_mode": "processed_logprobs"}
+    if mode == "isoexec":
+        init_kwargs = {"logprobs_mode": REQUIRED_LOGPROBS_MODE,
+                       "hf_overrides": {"architectures": [ARCH], "isoexec_model_factory": DEFAULT_FACTORY,
+                                        "isoexec_kernels": exp.kernels.model_dump()}}
+    n_seq = exp.rl.prompts_per_step * exp.rl.group_size
+    return {
+        "data.train_data": [s.train_data],
+        "data.val_data": [],
+        "trainer.policy.model.path": s.model_path,
+        "trainer.strategy": "megatron",
+        "trainer.policy.megatron_config.tensor_model_parallel_size": s.megatron_tp,
+        "trainer.policy.megatron_config.expert_model_parallel_size": s.megatron_ep,
+        "trainer.placement.colocate_all": s.colocate,
+        "trainer.placement.policy_num_nodes": 1,
+        "trainer.placement.policy_num_gpus_per_node": s.num_gpus,
+        "trainer.critic.model.path": None,
+        "trainer.epochs": 1_000,
+        "trainer.max_training_steps": exp.rl.steps,
+        "trainer.seed": exp.rl.seeds[0],
+        "trainer.resume_mode": "none",
+        "trainer.ckpt_interval": 0,
+        "trainer.eval_interval": 0,
+        "trainer.eval_before_train": False,
+        "trainer.logger": "console",
+        "trainer.project_name": "isoexec",
+        "trainer.run_name": f"{exp.name}-{mode}",
+        "trainer.max_prompt_length": s.max_prompt_length,
+        **algorithm_overrides(exp),
+        "trainer.micro_train_batch_size_per_gpu": s.micro_batch_size,
+        "trainer.micro_forward_batch_size_per_gpu": s.micro_batch_size,
+        "generator.batched": False,
+        "generator.max_turns": 1,
+        "generator.use_cache_salt": False,
+        "generator.inference_engine.backend": "vllm",
+        "generator.inference_engine.num_engines": s.inference_engines,
+        "generator.inference_engine.tensor_parallel_size": s.inference_tp,
+        "generator.inference_engine.model_dtype": exp.model.dtype,
+        "generator.inference_engine.enable_prefix_caching": e.enable_prefix_caching,
+        "generator.inference_engine.enable_chunked_prefill": e.enable_chunked_prefill,
+        "generator.inference_engine.max_num_batched_tokens": e.max_num_batched_tokens,
+        "generator.inference_engine.max_num_seqs": max(e.max_num_seqs, n_seq),
+        "generator.inference_engine.gpu_memory_utilization": s.gpu_memory_utilization,
+        "generator.inference_engine.engine_init_kwargs": init_kwargs,
+        "environment.env_class": s.env_class,
+    }
+
+
+RECIPE_ENV = {"SKYRL_PYTHONPATH_EXPORT": "1"}
+"""Environment of a recipe launch: SkyRL then forwards PYTHONPATH to its Ray workers (its
+``prepare_runtime_environment``), so isoexec, and with it the vLLM plugin's module, is importable in
+SkyRL's vLLM server processes; vLLM loads the plugin there through the ``vllm.general_plugins``
+entry point of the installed isoexec."""
+
+
+def launch_command(overrides: dict[str, Any], python: str = "python") -> list[str]:
+    """SkyRL's entry point with the overrides as ``key=value`` arguments (its CLI form)."""
+    from skyrl.train.config.config import overrides_dict_to_dotlist
+
+    return [python, "-m", "skyrl.train.entrypoints.main_base", *overrides_dict_to_dotlist(dict(overrides))]
