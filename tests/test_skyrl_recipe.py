@@ -67,10 +67,15 @@ def test_plugin_entry_point_registers_the_architecture_in_a_fresh_vllm_process()
 
 
 def test_recipe_environment_forwards_pythonpath_to_skyrl_ray_workers():
+    # SkyRL's prepare_runtime_environment probes GPU peer access through a Ray GPU placement group,
+    # which cannot be granted on a CPU machine; the probe is stubbed in this test's process only.
     code = ("from isoexec.rl.skyrl import compat; compat.install(); "
             "from isoexec.config import load_config; from isoexec.rl.skyrl.render import build, recipe_overrides; "
-            "from skyrl.train.utils.utils import prepare_runtime_environment; "
-            f"env = prepare_runtime_environment(build(recipe_overrides(load_config({str(EXP)!r}), 'isoexec'))); "
-            "print(env.get('PYTHONPATH'))")
-    got = _fresh(code, {**RECIPE_ENV, "PYTHONPATH": os.environ.get("PYTHONPATH", str(ROOT))})
-    assert got.stdout.strip().splitlines()[-1] == os.environ.get("PYTHONPATH", str(ROOT)), got.stderr[-2000:]
+            "import skyrl.train.utils.utils as u; u.peer_access_supported = lambda **kw: True; "
+            f"env = u.prepare_runtime_environment(build(recipe_overrides(load_config({str(EXP)!r}), 'isoexec'))); "
+            "print('FORWARDED', env.get('PYTHONPATH'))")
+    want = os.environ.get("PYTHONPATH", str(ROOT))
+    with_export = _fresh(code, {**RECIPE_ENV, "PYTHONPATH": want})
+    without = _fresh(code, {"SKYRL_PYTHONPATH_EXPORT": "0", "PYTHONPATH": want})  # negative control
+    assert f"FORWARDED {want}" in with_export.stdout, with_export.stderr[-2000:]
+    assert "FORWARDED None" in without.stdout, without.stderr[-2000:]
