@@ -115,7 +115,7 @@ class IsoExecPPOTrainer(RayPPOTrainer):
             row["full_vocab_kl"] = metrics.NAN
         else:
             pos = kl_positions(lT.numel(), self.exp.rl.full_vocab_kl_positions, self.seed, self.global_step - 1)
-            rollout = torch.cat([torch.from_numpy(r) for r in engine_rows])
+            rollout = torch.cat([torch.from_numpy(np.array(r, dtype=np.float32)) for r in engine_rows])
             row["full_vocab_kl"] = metrics.full_vocab_kl(rollout[pos], trainer_rows[pos])
         self.isoexec_row.update(row)
         return training_input
