@@ -34,7 +34,7 @@ def test_committed_rendered_config_is_what_the_experiment_renders(mode):
     init = cfg.generator.inference_engine.engine_init_kwargs
     if mode == "isoexec":
         assert init["hf_overrides"]["architectures"] == ["IsoExecQwen3NextForCausalLM"]
-        assert init["hf_overrides"]["isoexec_kernels"] == load_config(EXP).kernels.model_dump()
+        assert init["hf_overrides"]["isoexec_kernels"] == load_config(EXP).kernels.model_dump(mode="json")
         assert init["logprobs_mode"] == "raw_logits"
     else:
         assert "hf_overrides" not in init  # the negative control runs vLLM's own model

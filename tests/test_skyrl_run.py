@@ -38,7 +38,7 @@ LOOP_NAMES = {"step", "mode", "seed", "tokens", "mismatch_count", "mismatch_rate
 def ckpt(tmp_path_factory):
     import ray
 
-    from isoexec.trainer.checkpoint import init_checkpoint
+    from isoexec.rl.sft import init_checkpoint
 
     path = init_checkpoint(CFG.model, tmp_path_factory.mktemp("skyrl") / "init", seed=0)
     env = {k: os.environ[k] for k in ("PYTHONPATH", "HF_HUB_OFFLINE", "VLLM_CPU_KVCACHE_SPACE",

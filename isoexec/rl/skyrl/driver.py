@@ -107,7 +107,9 @@ class IsoExecPPOTrainer(RayPPOTrainer):
         lR = training_input["rollout_logprobs"][: len(self._seqs)][mask].to(torch.float32)
         lT = training_input["action_log_probs"][: len(self._seqs)][mask].to(torch.float32)
         row = metrics.logprob_diff_metrics(lR, lT)
-        trainer_rows = torch.cat(ray.get(self.policy_model.async_run_ray_method("pass_through", "isoexec_drain_score")))
+        infos = self.policy_model.actor_infos  # every rank drains; the collection rank (rank 0) holds the rows
+        kept = ray.get([a.handle.isoexec_drain_score.remote() for a in infos])
+        trainer_rows = next(r for a, r in zip(infos, kept) if a.rank.is_collection_dp_rank())
         trainer_rows = trainer_rows[: len(self._seqs)][mask]  # [N, V]
         row["entropy_mean"] = metrics.entropy_mean(trainer_rows)
         engine_rows = self.inference_engine_client.full_rows(self._seqs)
@@ -208,7 +210,7 @@ def run_skyrl(config: ExperimentConfig, mode: str, seed: int, init_dir: str | Pa
               engine_config: ExperimentConfig | None = None) -> list[dict[str, Any]]:
     """A paired-run half through SkyRL; same outputs as :func:`isoexec.rl.loop.run_rl`.
 
-    Starts Ray locally (2 CPUs, logical GPUs for the trainer actor; :mod:`~isoexec.rl.skyrl.compat`)
+    Starts Ray locally (max(2, trainer ranks) CPUs, one logical GPU per trainer rank; :mod:`~isoexec.rl.skyrl.compat`)
     unless Ray is already initialized; the task's parquet lives in a temporary directory for the run.
     Writes ``out_dir/provenance.json`` (with the rendered SkyRL overrides) and ``out_dir/metrics.jsonl``.
 
@@ -247,7 +249,8 @@ def _run(config, mode, seed, init_dir, out_dir, steps, command, threads, engine_
         env = {k: os.environ[k] for k in ("PYTHONPATH", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE",
                                           "VLLM_CPU_KVCACHE_SPACE", "VLLM_ENABLE_V1_MULTIPROCESSING")
                if k in os.environ}
-        ray.init(**compat.ray_init_kwargs(num_cpus=2, num_trainer_gpus=1, env_vars=env))
+        world = config.trainer.world_size(mode)
+        ray.init(**compat.ray_init_kwargs(num_cpus=max(2, world), num_trainer_gpus=world, env_vars=env))
     try:
         exp = IsoExecPPOExp(cfg, config, mode, seed, out_dir / "metrics.jsonl", engine_exp=engine_config,
                             threads=threads)

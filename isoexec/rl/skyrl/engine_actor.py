@@ -75,15 +75,16 @@ class EngineActor:
         """
         seed = _generation_seed(self.seed, self.calls)
         self.calls += 1
-        samples = self.engine.generate(prompt_token_ids, n=1, max_tokens=max_tokens, seed=seed,
-                                       temperature=temperature, full_vocab_every=1 if self.keep_rows else 0)
+        groups = self.engine.generate(prompt_token_ids, n=1, max_tokens=max_tokens, seed=seed,
+                                      temperature=temperature, full_vocab_every=1 if self.keep_rows else 0)
+        samples = [group[0] for group in groups]  # one Completion per prompt (n=1)
         if self.keep_rows:
-            for s in samples:
-                self.rows[(tuple(prompt_token_ids[s.prompt_index]), tuple(s.token_ids))] = s.full_rows
+            for prompt, c in zip(prompt_token_ids, samples):
+                self.rows[(tuple(prompt), tuple(c.token_ids))] = c.full_logprobs.numpy()
         return {
-            "response_ids": [list(map(int, s.token_ids)) for s in samples],
-            "logprobs": [s.logprobs.astype(np.float32).tolist() for s in samples],
-            "stop_reasons": [s.finish_reason for s in samples],
+            "response_ids": [list(map(int, c.token_ids)) for c in samples],
+            "logprobs": [c.logprobs.tolist() for c in samples],
+            "stop_reasons": [c.finish_reason for c in samples],
             "seed": seed,
         }
 

@@ -8,9 +8,10 @@ takes on the command line (``key.path=value``), and builds the typed config with
 =============================  ================================================================
 isoexec                        SkyRL
 =============================  ================================================================
-GRPO, ``advantage_std_norm``   ``trainer.algorithm.advantage_estimator=grpo``, ``grpo_norm_by_std``
-DAPO clip ``clip_low/high``    ``policy_loss_type=regular``, ``eps_clip_low`` / ``eps_clip_high``
-token-level loss               ``loss_reduction=token_mean``
+``advantage_estimator``        ``trainer.algorithm.advantage_estimator`` (``grpo``), ``grpo_norm_by_std``
+                               = ``advantage_std_norm``
+``policy_loss``, clips         ``policy_loss_type`` (``regular``), ``eps_clip_low`` / ``eps_clip_high``
+``loss_reduction``             ``loss_reduction`` (``token_mean``: DAPO's token-level loss)
 no KL term                     ``use_kl_loss=false``, ``use_kl_in_reward=false`` (no ref model)
 ``dynamic_sampling``           ``dynamic_sampling.type=filter`` (DAPO: resample past all-equal groups)
 ``prompts_per_step``           ``trainer.train_batch_size``
@@ -19,6 +20,8 @@ no KL term                     ``use_kl_loss=false``, ``use_kl_in_reward=false``
 ``max_new_tokens``             ``generator.sampling_params.max_generate_length``
 ``temperature``                ``sampling_params.temperature`` (= ``algorithm.temperature``)
 ``lr, weight_decay, ...``      ``trainer.policy.optimizer_config`` (constant schedule, no warm-up)
+``trainer.backend/tp/ep``      ``trainer.strategy`` (``megatron`` with ``megatron_config`` tp / ep, else
+                               ``fsdp``), ``placement.policy_num_gpus_per_node`` = the trainer's ranks
 =============================  ================================================================
 
 The whole experiment and the mode also travel to the trainer worker in
@@ -37,24 +40,33 @@ from isoexec.rl.skyrl.env import ENV_ID
 from isoexec.rl.skyrl.worker import SETTINGS_KEY
 
 
-def algorithm_overrides(exp: ExperimentConfig) -> dict[str, Any]:
+def algorithm_overrides(exp: ExperimentConfig, data_parallel: int = 1) -> dict[str, Any]:
     """SkyRL's advantage estimator, policy loss and batch shape for the experiment's ``rl`` section.
 
+    Args:
+        exp: the experiment.
+        data_parallel: the data-parallel size SkyRL's validation derives from the placement and
+            strategy; each micro-batch is one mini-batch's share of one data-parallel rank.
+
     Raises:
-        ValueError: ``rl.prompts_per_step`` is not a multiple of ``rl.mini_batches``.
+        ValueError: ``rl.prompts_per_step`` is not a multiple of ``rl.mini_batches``, or a mini-batch's
+            sequences do not split over ``data_parallel``.
     """
     rl = exp.rl
     if rl.prompts_per_step % rl.mini_batches:
         raise ValueError(f"rl.prompts_per_step={rl.prompts_per_step} must be a multiple of "
                          f"rl.mini_batches={rl.mini_batches} (SkyRL splits a step by whole prompts)")
     n_seq = rl.prompts_per_step * rl.group_size
+    if (n_seq // rl.mini_batches) % data_parallel:
+        raise ValueError(f"a mini-batch of {n_seq // rl.mini_batches} sequences (rl.prompts_per_step x group_size / "
+                         f"mini_batches) does not split over SkyRL's data-parallel size {data_parallel}")
     return {
-        "trainer.algorithm.advantage_estimator": "grpo",
+        "trainer.algorithm.advantage_estimator": rl.advantage_estimator,
         "trainer.algorithm.grpo_norm_by_std": rl.advantage_std_norm,
-        "trainer.algorithm.policy_loss_type": "regular",
+        "trainer.algorithm.policy_loss_type": rl.policy_loss,
         "trainer.algorithm.eps_clip_low": rl.clip_low,
         "trainer.algorithm.eps_clip_high": rl.clip_high,
-        "trainer.algorithm.loss_reduction": "token_mean",
+        "trainer.algorithm.loss_reduction": rl.loss_reduction,
         "trainer.algorithm.use_kl_loss": False,
         "trainer.algorithm.use_kl_in_reward": False,
         "trainer.algorithm.use_entropy_loss": False,
@@ -62,8 +74,8 @@ def algorithm_overrides(exp: ExperimentConfig) -> dict[str, Any]:
         "trainer.algorithm.dynamic_sampling.type": "filter" if rl.dynamic_sampling else None,
         "trainer.train_batch_size": rl.prompts_per_step,
         "trainer.policy_mini_batch_size": rl.prompts_per_step // rl.mini_batches,
-        "trainer.micro_train_batch_size_per_gpu": n_seq // rl.mini_batches,
-        "trainer.micro_forward_batch_size_per_gpu": n_seq,
+        "trainer.micro_train_batch_size_per_gpu": n_seq // rl.mini_batches // data_parallel,
+        "trainer.micro_forward_batch_size_per_gpu": n_seq // data_parallel,
         "trainer.update_epochs_per_batch": 1,
         "trainer.policy.optimizer_config.lr": rl.lr,
         "trainer.policy.optimizer_config.weight_decay": rl.weight_decay,
@@ -96,6 +108,17 @@ def local_overrides(exp: ExperimentConfig, mode: str, seed: int, init_dir: str |
     """
     run_dir = Path(run_dir)
     e = exp.engine
+    world = exp.trainer.world_size(mode)
+    if exp.trainer.backend_for(mode) == "megatron":
+        # SkyRL's own name for a Megatron policy, so that its validation counts the data-parallel size as
+        # world / tp; the worker class is isoexec's (see driver), which gives every rank the whole batch.
+        strategy = {"trainer.strategy": "megatron",
+                    "trainer.policy.megatron_config.tensor_model_parallel_size": exp.trainer.tp,
+                    "trainer.policy.megatron_config.expert_model_parallel_size": exp.trainer.ep}
+        data_parallel = world // exp.trainer.tp
+    else:
+        strategy = {"trainer.strategy": "fsdp"}  # names SkyRL's default; the worker class is isoexec's
+        data_parallel = world
     return {
         "data.train_data": [str(train_data)],
         "data.val_data": [],
@@ -103,11 +126,11 @@ def local_overrides(exp: ExperimentConfig, mode: str, seed: int, init_dir: str |
         "trainer.policy.model.path": str(init_dir),
         "trainer.policy.model_config_kwargs": {
             SETTINGS_KEY: {"mode": mode, "experiment": exp.model_dump_json(), "threads": threads}},
-        "trainer.strategy": "fsdp",  # names SkyRL's default; the worker class is isoexec's (see driver)
+        **strategy,
         "trainer.placement.colocate_all": False,
         "trainer.placement.colocate_policy_ref": False,
         "trainer.placement.policy_num_nodes": 1,
-        "trainer.placement.policy_num_gpus_per_node": 1,
+        "trainer.placement.policy_num_gpus_per_node": world,
         "trainer.critic.model.path": None,
         "trainer.seed": seed,
         "trainer.epochs": 1_000,
@@ -130,7 +153,7 @@ def local_overrides(exp: ExperimentConfig, mode: str, seed: int, init_dir: str |
         "trainer.enable_ray_gpu_monitor": False,
         "trainer.print_example_interval": 0,
         "trainer.num_logger_train_samples": 0,
-        **algorithm_overrides(exp),
+        **algorithm_overrides(exp, data_parallel),
         "generator.batched": True,
         "generator.max_turns": 1,
         "generator.use_conversation_multi_turn": False,
@@ -188,7 +211,7 @@ def recipe_overrides(exp: ExperimentConfig, mode: str) -> dict[str, Any]:
     if mode == "isoexec":
         init_kwargs = {"logprobs_mode": REQUIRED_LOGPROBS_MODE,
                        "hf_overrides": {"architectures": [ARCH], "isoexec_model_factory": DEFAULT_FACTORY,
-                                        "isoexec_kernels": exp.kernels.model_dump()}}
+                                        "isoexec_kernels": exp.kernels.model_dump(mode="json")}}
     n_seq = exp.rl.prompts_per_step * exp.rl.group_size
     return {
         "data.train_data": [s.train_data],

@@ -2,27 +2,35 @@
 
 SkyRL's ``PolicyWorkerBase`` (``skyrl/backends/skyrl_train/workers/worker.py``) owns the RL step:
 micro-batching, the policy loss from SkyRL's ``PolicyLossRegistry`` (chosen by
-``trainer.algorithm.policy_loss_type``), entropy/KL terms, metrics. It reaches the model only through
+``trainer.algorithm.policy_loss_type``), entropy/KL terms, metrics (``forward`` = the pre-update
+``trainer_score``, ``forward_backward`` + ``optim_step`` = the PPO update). It reaches the model only
+through
 
 - ``self.model(sequences, num_actions, attention_mask, temperature=..., return_output=...,
   compute_entropy=...)`` -> action logprobs ``[B, num_actions]`` (and ``{"entropy": [B, S]}``),
 - ``self.strategy`` (``backward``, ``optimizer_step``, ``all_reduce``), ``self.scheduler``.
 
-This module supplies those on isoexec's trainers, with no edit to SkyRL:
+This module supplies those on the trainer of ``trainer.backend`` (:func:`isoexec.trainer.factory.load_trainer`),
+with no edit to SkyRL:
 
-- :class:`PolicyModel`: the call above over a trainer policy (``HFPolicy`` in native mode,
-  ``UnifiedModel`` in isoexec mode, from :func:`isoexec.trainer.policy.load_policy`). SkyRL's
-  left-padded ``[B, S]`` rows are packed (``cu_seqlens``) into ``trainer_logprobs`` and the
-  full-vocabulary rows ``[T, V]`` float32 are gathered back; the policy temperature is the
-  trainer's own (isoexec: the contract's) and any other temperature is refused.
-- :class:`IsoExecStrategy`: ``DistributedStrategy`` with :class:`isoexec.trainer.optim.MasterAdamW`
-  (fp32 masters, bf16 parameters, grad-norm clip).
-- :class:`IsoExecPolicyWorker`: ``init_model`` (loads the trainer named by the isoexec settings that
-  travel in ``trainer.policy.model_config_kwargs["isoexec"]``), a gloo/NCCL process group with a
-  device mesh on the host's device, and the weight sync through SkyRL's sync path
-  (``init_weight_sync_state`` / ``broadcast_to_inference_engines``) to
-  :meth:`isoexec.rl.skyrl.client.IsoExecInferenceClient.update_named_weights`, carrying the
-  trainer's contract for the engine's handshake at every sync.
+- :class:`PolicyModel`: the call above over the trainer's ``trainer_logprobs``. SkyRL's left-padded
+  ``[B, S]`` rows are packed (``cu_seqlens``) and the full-vocabulary rows ``[T, V]`` float32 are
+  gathered back; the policy temperature is the trainer's own (isoexec: the contract's) and any
+  other temperature is refused.
+- :class:`IsoExecStrategy`: ``DistributedStrategy`` whose optimizer step is the trainer's
+  fp32-master AdamW (:class:`isoexec.trainer.optim.MasterAdamW`; Megatron: ``MegatronTrainer.step``,
+  which finalizes Megatron's gradients and clips by the TP/EP-aware norm).
+- :class:`IsoExecPolicyWorker`: one rank of the worker group. SkyRL starts
+  ``trainer.placement.policy_num_gpus_per_node`` of them as Ray actors (the rendered config sets it to
+  the trainer's world size: ``trainer.tp`` x ``trainer.ep`` ranks for ``megatron``, 1 otherwise);
+  they form one gloo group, and for ``megatron`` each builds its shard of the model on the Megatron
+  groups of the layout (:func:`isoexec.trainer.megatron.launch.init_parallel`). Every rank receives
+  the whole batch (SkyRL's mesh: one data-parallel rank; Megatron's replicas want the same data) and
+  runs the same calls; rank 0 is the one SkyRL collects from. Weight sync goes through SkyRL's sync
+  path (``init_weight_sync_state`` / ``broadcast_to_inference_engines``): every rank joins the gather
+  of its shards into the engine's Hugging Face names, and rank 0 sends them with the trainer's
+  contract to :meth:`isoexec.rl.skyrl.client.IsoExecInferenceClient.update_named_weights`, where the
+  engine runs the contract handshake before any weight moves, at every sync.
 
 No critic or reference model: GRPO needs neither (the run config sets no critic path and no KL).
 """
@@ -31,6 +39,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -44,7 +53,7 @@ from isoexec.config import ExperimentConfig
 from isoexec.rl.skyrl.compat import cpu_device_answers
 
 SETTINGS_KEY = "isoexec"
-"""Key in ``trainer.policy.model_config_kwargs`` holding ``{"mode", "experiment"}`` (experiment as JSON)."""
+"""Key in ``trainer.policy.model_config_kwargs`` holding ``{"mode", "experiment", "threads"}`` (experiment as JSON)."""
 
 
 def isoexec_settings(model_config_kwargs: dict[str, Any]) -> tuple[str, ExperimentConfig]:
@@ -56,18 +65,20 @@ def isoexec_settings(model_config_kwargs: dict[str, Any]) -> tuple[str, Experime
     s = model_config_kwargs.get(SETTINGS_KEY)
     if s is None:
         raise ValueError(f"trainer.policy.model_config_kwargs has no {SETTINGS_KEY!r} entry (written by "
-                         "isoexec.rl.skyrl.config.render)")
+                         "isoexec.rl.skyrl.render.local_overrides)")
     if s["mode"] not in ("native", "isoexec"):
         raise ValueError(f"isoexec mode must be 'native' or 'isoexec', got {s['mode']!r}")
     return s["mode"], ExperimentConfig.model_validate(json.loads(s["experiment"]))
 
 
 class PolicyModel(torch.nn.Module):
-    """SkyRL's model call over an isoexec trainer policy.
+    """SkyRL's model call over an isoexec trainer.
 
     Args:
-        policy: ``HFPolicy`` or ``UnifiedModel`` (``trainer_logprobs(input_ids [T], cu_seqlens [B+1],
-            grad) -> [T, V]`` float32, row t predicts token t+1; ``temperature`` attribute).
+        policy: ``HFPolicy``, ``UnifiedModel`` or this rank's ``MegatronTrainer``
+            (``trainer_logprobs(input_ids [T], cu_seqlens [B+1], grad) -> [T, V]`` float32, row t
+            predicts token t+1, the same on every rank).
+        temperature: the trainer's policy temperature (``kernels.temperature``).
         keep_rows: each no-grad call appends the full-vocabulary rows of its action positions
             (``[B, num_actions, V]`` float32) to ``kept``, for the run's metrics (drained by
             :meth:`IsoExecPolicyWorker.isoexec_drain_score`).
@@ -132,11 +143,31 @@ class PolicyModel(torch.nn.Module):
         return out
 
 
-class IsoExecStrategy(DistributedStrategy):
-    """``DistributedStrategy`` over :class:`~isoexec.trainer.optim.MasterAdamW` (one process per DP rank)."""
+class ConstantLR:
+    """The learning-rate schedule SkyRL reads (``get_last_lr``): isoexec runs a constant ``lr``."""
 
-    def __init__(self, world_size: int):
+    def __init__(self, lr: float):
+        self.lr = float(lr)
+
+    def get_last_lr(self) -> list[float]:
+        return [self.lr]
+
+    def step(self) -> None:
+        return None
+
+
+class IsoExecStrategy(DistributedStrategy):
+    """``DistributedStrategy`` over the trainer's own optimizer step.
+
+    Args:
+        world_size: ranks of the worker group.
+        update: one optimizer update from the accumulated gradients, returning the pre-clip global
+            gradient norm (``MasterAdamW.step`` or ``MegatronTrainer.step``; a collective for Megatron).
+    """
+
+    def __init__(self, world_size: int, update: Callable[[], float]):
         self.world_size = world_size
+        self.update = update
 
     def setup_distributed(self) -> None:
         return None  # the worker's init_worker_process_group does it
@@ -145,19 +176,17 @@ class IsoExecStrategy(DistributedStrategy):
         loss.backward()
 
     def optimizer_step(self, optimizer, model, scheduler, name="model", **kwargs) -> torch.Tensor:
-        """One ``MasterAdamW`` step; returns the pre-clip global grad norm as a tensor."""
-        return torch.tensor(optimizer.step())
+        """One update; returns the pre-clip global grad norm as a tensor."""
+        return torch.tensor(self.update())
 
     def save_checkpoint(self, *args, **kwargs):
-        raise NotImplementedError("isoexec runs save Hugging Face checkpoints only (trainer.ckpt_interval=0)")
+        raise NotImplementedError("isoexec runs do not save SkyRL checkpoints (trainer.ckpt_interval=0)")
 
     def load_checkpoint(self, *args, **kwargs):
         raise NotImplementedError("isoexec runs do not resume (trainer.resume_mode=none)")
 
-    def save_hf_model(self, model, output_dir: str, tokenizer=None, **kwargs) -> None:
-        model.policy.save_pretrained(output_dir)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(output_dir)
+    def save_hf_model(self, *args, **kwargs) -> None:
+        raise NotImplementedError("isoexec runs do not export through SkyRL (trainer.hf_save_interval=-1)")
 
     def offload_to_cpu(self, *args, **kwargs) -> None:
         return None
@@ -167,49 +196,58 @@ class IsoExecStrategy(DistributedStrategy):
 
 
 class IsoExecPolicyWorker(PolicyWorkerBase):
-    """SkyRL policy worker on isoexec's trainer of the run's mode (a Ray actor built by SkyRL)."""
+    """One rank of SkyRL's policy worker group on isoexec's trainer of the run's mode (a Ray actor built by SkyRL)."""
 
     def init_worker_process_group(self) -> None:
-        """gloo (CPU) / NCCL (CUDA) process group and a ``("dp", "sp")`` device mesh on the host's device.
+        """The gloo (CPU) / NCCL (CUDA) group of the worker group, and SkyRL's ``("dp", "mp")`` mesh of one
+        data-parallel rank: every rank gets the whole batch, rank 0 is collected from.
 
-        SkyRL's ``Worker.init_worker_process_group`` builds its mesh on ``"cuda"`` only.
+        SkyRL's ``Worker.init_worker_process_group`` builds a ``("dp", "sp")`` mesh on ``"cuda"`` only.
         """
         cpu_device_answers()
         device = "cuda" if torch.cuda.is_available() else "cpu"
         if not dist.is_initialized():
             backend = "cpu:gloo,cuda:nccl" if device == "cuda" else "gloo"
             dist.init_process_group(backend=backend, timeout=timedelta(minutes=10))
-        dp = self._world_size // self.sequence_parallel_size
         self.device_mesh = dist.device_mesh.init_device_mesh(
-            device, mesh_shape=(dp, self.sequence_parallel_size), mesh_dim_names=("dp", "sp"))
-        self.mesh_rank = MeshRank(dp=self.device_mesh.get_local_rank(mesh_dim="dp"),
-                                  sp=self.device_mesh.get_local_rank(mesh_dim="sp"), tp=0, pp=0,
-                                  world_size=self._world_size, dp_size=self.device_mesh.size(0), pp_size=1)
+            device, mesh_shape=(1, self._world_size), mesh_dim_names=("dp", "mp"))
+        self.mesh_rank = MeshRank(dp=0, sp=0, tp=self._rank, pp=0, world_size=self._world_size, dp_size=1,
+                                  pp_size=1)
 
     def init_model(self, model_path: str, num_training_steps: int | None = None) -> None:
-        """Load the trainer of the run's mode from ``model_path`` and its optimizer.
+        """Build this rank's trainer of the run's mode from ``model_path`` and its optimizer.
 
         Raises:
-            ValueError: isoexec settings missing, or SkyRL's optimizer settings differ from the
-                experiment's ``rl`` section (they must describe the same optimizer).
+            ValueError: isoexec settings missing, SkyRL's optimizer settings differ from the
+                experiment's ``rl`` section (they must describe the same optimizer), or the worker
+                group's size is not the trainer's world size.
         """
+        from isoexec.trainer.factory import load_trainer
         from isoexec.trainer.optim import MasterAdamW
-        from isoexec.trainer.policy import load_policy
 
-        mode, exp = isoexec_settings(self.cfg.policy.model_config_kwargs)
-        torch.set_num_threads(exp_threads(self.cfg.policy.model_config_kwargs))
+        kw = self.cfg.policy.model_config_kwargs
+        mode, exp = isoexec_settings(kw)
+        torch.set_num_threads(int(kw[SETTINGS_KEY].get("threads", 1)))
         oc = self.cfg.policy.optimizer_config
         want = {"lr": exp.rl.lr, "weight_decay": exp.rl.weight_decay, "max_grad_norm": exp.rl.max_grad_norm}
         got = {"lr": oc.lr, "weight_decay": oc.weight_decay, "max_grad_norm": oc.max_grad_norm}
         if got != want:
             raise ValueError(f"trainer.policy.optimizer_config {got} differs from the experiment's rl section {want}")
+        if self._world_size != exp.trainer.world_size(mode):
+            raise ValueError(f"SkyRL started {self._world_size} policy workers; trainer.backend="
+                             f"{exp.trainer.backend_for(mode)!r} in mode {mode} needs {exp.trainer.world_size(mode)}")
         self.mode, self.experiment = mode, exp
-        self.policy = load_policy(mode, model_path, exp)
-        self.model = PolicyModel(self.policy, exp.kernels.temperature, keep_rows=True)
-        self.optimizer = MasterAdamW(self.policy.named_parameters(), lr=oc.lr, betas=tuple(oc.adam_betas),
-                                     weight_decay=oc.weight_decay, max_grad_norm=oc.max_grad_norm)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer.opt, lambda _: 1.0)
-        self.strategy = IsoExecStrategy(self._world_size)
+        self.policy = load_trainer(exp, mode, model_path)
+        if exp.trainer.backend_for(mode) == "megatron":
+            self.optimizer = self.policy.build_optimizer()
+            update = self.policy.step
+        else:
+            self.optimizer = MasterAdamW(self.policy.named_parameters(), lr=oc.lr, betas=tuple(oc.adam_betas),
+                                         weight_decay=oc.weight_decay, max_grad_norm=oc.max_grad_norm)
+            update = self.optimizer.step
+        self.model = PolicyModel(self.policy, exp.kernels.temperature, keep_rows=self._rank == 0)
+        self.scheduler = ConstantLR(oc.lr)
+        self.strategy = IsoExecStrategy(self._world_size, update)
         self.last_sync: dict[str, Any] = {}
 
     def _set_pad_token_id(self, pad_token_id: int) -> None:
@@ -226,20 +264,22 @@ class IsoExecPolicyWorker(PolicyWorkerBase):
                                              model_id: str | None = None) -> None:
         """Send the compute-dtype weights (HF checkpoint names) with the trainer's contract.
 
-        Rank 0 sends (every rank holds the full model: data parallel only). The engine runs the
-        contract handshake first and raises ``ContractMismatch`` before any weight moves.
+        Every rank joins the gather of the shards (``MegatronTrainer.checkpoint_state_dict``); rank 0
+        sends. The engine runs the contract handshake first and raises ``ContractMismatch`` before any
+        weight moves.
         """
         from safetensors.torch import save
 
         from isoexec.contract import encode
-        from isoexec.trainer.policy import sync_state
+        from isoexec.trainer.base import sync_state
 
         if model_id is not None:
             raise ValueError(f"model_id={model_id!r}: LoRA adapters are not part of the isoexec contract")
         client = inference_engine_client or self._weight_sync_inference_client
+        t0 = time.perf_counter()
+        state = sync_state(self.policy)
         if dist.get_rank() == 0:
-            t0 = time.perf_counter()
-            state = {k: v.detach().to("cpu").contiguous() for k, v in sync_state(self.policy).items()}
+            state = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
             contract = self.policy.contract()
             checksums = await client.update_named_weights(
                 {"safetensors": save(state), "contract": None if contract is None else encode(contract)})
@@ -248,7 +288,7 @@ class IsoExecPolicyWorker(PolicyWorkerBase):
 
     def isoexec_drain_score(self) -> torch.Tensor:
         """The rows kept by the no-grad forwards since the last drain, in call order: ``[B, R, V]``
-        float32 (this rank's samples), then forgets them."""
+        float32 on rank 0 (empty on the others), then forgets them."""
         rows, self.model.kept = self.model.kept, []
         return torch.cat(rows) if rows else torch.empty(0)
 
@@ -258,8 +298,3 @@ class IsoExecPolicyWorker(PolicyWorkerBase):
 
         c = self.policy.contract()
         return None if c is None else encode(c)
-
-
-def exp_threads(model_config_kwargs: dict[str, Any]) -> int:
-    """torch threads for the trainer process (``model_config_kwargs["isoexec"]["threads"]``, default 1)."""
-    return int(model_config_kwargs[SETTINGS_KEY].get("threads", 1))
