@@ -26,6 +26,7 @@ include: "workflow/rules/engine.smk"
 include: "workflow/rules/rl.smk"
 include: "workflow/rules/report.smk"
 include: "workflow/rules/bench.smk"
+include: "workflow/rules/skyrl.smk"
 
 
 rule reproduce:

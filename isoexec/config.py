@@ -166,8 +166,15 @@ class SFTSection(_Section):
 
 
 class RLSection(_Section):
-    """GRPO with DAPO's choices: group size n, token-level loss, clip-higher, no KL term."""
+    """GRPO with DAPO's choices: group size n, token-level loss, clip-higher, no KL term, dynamic sampling.
 
+    The advantage estimator, the policy loss and its reduction are SkyRL's (chosen by name from its
+    registries, ``skyrl/backends/skyrl_train/utils/ppo_utils.py``); ``driver`` says who runs the step.
+    """
+
+    driver: Literal["skyrl", "loop"] = Field(
+        "skyrl", description="skyrl: SkyRL's RayPPOTrainer (Ray started locally; isoexec.rl.skyrl); loop: the "
+        "in-process loop (isoexec.rl.loop; hf / unified trainers, no dynamic sampling)")
     steps: NonNegativeInt = 20
     seeds: list[NonNegativeInt] = Field([0, 1], min_length=1)
     modes: list[Literal["native", "isoexec"]] = Field(["native", "isoexec"], min_length=1)
@@ -176,19 +183,28 @@ class RLSection(_Section):
     max_new_tokens: PositiveInt = 16
     temperature: PositiveFloat = 1.0
     lr: PositiveFloat = 1e-4
+    advantage_estimator: Literal["grpo", "rloo", "reinforce++", "maxrl"] = Field(
+        "grpo", description="SkyRL's AdvantageEstimatorRegistry name (critic-free estimators only)")
+    policy_loss: Literal["regular", "dual_clip", "gspo", "cispo", "sapo", "clip_cov", "kl_cov"] = Field(
+        "regular", description="SkyRL's PolicyLossRegistry name; 'regular' is PPO's clipped surrogate, with "
+        "clip_low / clip_high DAPO's clip-higher")
+    loss_reduction: Literal["token_mean", "sequence_mean", "seq_mean_token_sum_norm"] = Field(
+        "token_mean", description="SkyRL's loss reduction; token_mean: over all tokens of the mini-batch (DAPO)")
     clip_low: NonNegativeFloat = 0.2
     clip_high: NonNegativeFloat = 0.28
     full_vocab_kl_positions: PositiveInt = 32
     pass_k: PositiveInt = 4
     advantage_std_norm: bool = Field(True, description="divide group advantages by the group's reward std")
-    dynamic_sampling: bool = Field(False, description="DAPO: drop groups whose rewards are all equal from the update")
+    dynamic_sampling: bool = Field(False, description="DAPO's dynamic sampling (SkyRL 'filter'): groups whose "
+                                   "rewards are all equal are dropped and more prompts sampled until the step "
+                                   "has prompts_per_step informative groups (SkyRL driver only)")
     mini_batches: PositiveInt = Field(1, description="optimizer updates per step (the batch split by groups); >1 makes clipping active")
     max_grad_norm: float = Field(1.0, description="global grad-norm clip (<= 0: none)")
     weight_decay: NonNegativeFloat = 0.0
 
 
 Mode = Literal["native", "isoexec"]
-TrainerBackend = Literal["hf", "unified"]
+TrainerBackend = Literal["hf", "unified", "megatron"]
 
 
 class TrainerSection(_Section):
@@ -196,11 +212,16 @@ class TrainerSection(_Section):
 
     ``backend``: one backend for both modes, or a mapping ``mode -> backend``. ``hf`` is transformers'
     ``Qwen3NextForCausalLM`` with its own kernels (native only); ``unified`` is the unified model with
-    the mode's kernel set.
+    the mode's kernel set; ``megatron`` is megatron-core (:mod:`isoexec.trainer.megatron`) with the
+    mode's kernel set on ``tp`` x ``ep`` ranks (one process each; CPU and gloo).
     """
 
     backend: TrainerBackend | dict[Mode, TrainerBackend] = Field(
         default_factory=lambda: {"native": "hf", "isoexec": "unified"})
+    tp: PositiveInt = Field(1, description="megatron: tensor-parallel degree")
+    ep: PositiveInt = Field(1, description="megatron: expert-parallel degree (routed experts over ranks)")
+    sp: bool | None = Field(None, description="megatron: sequence parallelism; None: on exactly when tp > 1 "
+                            "(Megatron's MoE needs it at tp > 1)")
 
     def backend_for(self, mode: str) -> str:
         """The backend of ``mode``.
@@ -213,6 +234,38 @@ class TrainerSection(_Section):
         if mode not in self.backend:
             raise ValueError(f"trainer.backend has no entry for mode {mode!r}; it covers {sorted(self.backend)}")
         return self.backend[mode]
+
+    def layout(self):
+        """The Megatron layout of ``tp``, ``ep``, ``sp`` (:class:`isoexec.trainer.megatron.config.Layout`)."""
+        from isoexec.trainer.megatron.config import Layout
+
+        return Layout(tp=self.tp, ep=self.ep, sp=self.tp > 1 if self.sp is None else self.sp)
+
+    def world_size(self, mode: str) -> int:
+        """Trainer processes of ``mode``: the layout's world size for ``megatron``, else 1."""
+        return self.layout().world_size if self.backend_for(mode) == "megatron" else 1
+
+    def megatron_problems(self, mode: str, device: str, model: "ModelSection") -> list[str]:
+        """Why ``megatron`` cannot run ``mode`` with this layout (empty: it can): the device, the layout
+        itself, sizes of ``model`` it does not divide, and, for ``isoexec``, degrees outside the kernel
+        set's proven topology (the contract's claim, :func:`isoexec.kernels.topology.proven_topology`)."""
+        from isoexec.kernels.topology import proven_topology
+        from isoexec.trainer.megatron.config import layout_problems
+
+        if device != "cpu":
+            return [f"trainer.backend='megatron' runs on CPU with gloo (device={device!r})"]
+        layout = self.layout()
+        try:
+            layout.check()
+        except ValueError as e:
+            return [f"trainer tp={self.tp} ep={self.ep} sp={self.sp}: {e}"]
+        bad = [f"trainer layout {layout}: model.{p}" for p in layout_problems(model, layout)]
+        if mode == "isoexec":
+            domain = proven_topology(mode, device)
+            bad += [f"trainer layout {layout}: {dim}={d} is outside the isoexec kernel set's proven domain "
+                    f"{list(domain.get(dim, (1,)))} (the contract's topology claim)"
+                    for dim, d in layout.degrees().items() if d not in domain.get(dim, (1,))]
+        return bad
 
 
 class EngineSection(_Section):
@@ -234,6 +287,27 @@ class EngineSection(_Section):
     )
 
 
+class SkyRLSection(_Section):
+    """A GPU-node run through SkyRL's own entry point (``isoexec rl skyrl-launch``; isoexec.rl.skyrl.render).
+
+    SkyRL's Megatron policy worker trains, SkyRL's vLLM servers generate (isoexec mode: with the
+    isoexec plugin's architecture); the ``rl`` section gives the algorithm, this one the cluster.
+    """
+
+    model_path: str = Field(description="Hugging Face id or directory of the policy checkpoint")
+    train_data: str = Field(description="parquet in SkyRL's prompt schema (prompt, env_class, reward_spec)")
+    env_class: str = Field("aime", description="skyrl-gym env scoring the responses (aime: the DAPO-Math verifier)")
+    num_gpus: PositiveInt = 8
+    colocate: bool = Field(True, description="trainer and vLLM servers share the GPUs (SkyRL colocate_all)")
+    megatron_tp: PositiveInt = 1
+    megatron_ep: PositiveInt = 1
+    inference_engines: PositiveInt = 1
+    inference_tp: PositiveInt = 8
+    max_prompt_length: PositiveInt = 2048
+    micro_batch_size: PositiveInt = 1
+    gpu_memory_utilization: PositiveFloat = 0.6
+
+
 class ExperimentConfig(_Section):
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", description="results/<name>/: letters, digits, _ . -")
     device: Literal["cpu", "cuda"] = "cpu"
@@ -246,6 +320,7 @@ class ExperimentConfig(_Section):
     rl: RLSection = RLSection()
     trainer: TrainerSection = TrainerSection()
     engine: EngineSection = EngineSection()
+    skyrl: SkyRLSection | None = None
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "ExperimentConfig":
@@ -274,7 +349,18 @@ class ExperimentConfig(_Section):
                 continue
             if mode == "isoexec" and backend == "hf":
                 problems.append("trainer.backend='hf' (transformers' own kernels) cannot run mode isoexec; "
-                                "use 'unified' for isoexec")
+                                "use 'unified' or 'megatron' for isoexec")
+            if backend == "megatron":
+                problems += [f"mode {mode}: {p}" for p in self.trainer.megatron_problems(mode, self.device, m)]
+                if self.rl.driver != "skyrl":
+                    problems.append(f"mode {mode}: trainer.backend='megatron' runs as a worker group of "
+                                    f"{self.trainer.world_size(mode)} ranks under SkyRL: set rl.driver: skyrl")
+        if self.rl.driver == "skyrl" and self.engine.backend != "vllm":
+            problems.append(f"rl.driver='skyrl' generates with the vLLM engine (engine.backend={self.engine.backend!r}); "
+                            "use engine.backend: vllm or rl.driver: loop")
+        if self.rl.driver == "loop" and self.rl.dynamic_sampling:
+            problems.append("rl.dynamic_sampling=true resamples prompts until the step is full: only the SkyRL "
+                            "driver runs it (rl.driver: skyrl)")
         if self.gates.max_len < self.gates.min_len:
             problems.append(f"gates.max_len={self.gates.max_len} < gates.min_len={self.gates.min_len}")
         # Settings one arm of a paired run cannot honour (README, "What isoexec mode refuses"); the

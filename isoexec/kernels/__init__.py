@@ -7,6 +7,14 @@ implementation that runs, with its constants; :mod:`isoexec.kernels.primitives` 
 (pik) GEMMs and combines.
 """
 
-from isoexec.kernels.registry import Impl, KernelSet, build_kernel_set
-
 __all__ = ["Impl", "KernelSet", "build_kernel_set"]
+
+
+def __getattr__(name: str):
+    """The registry's names, imported on first use (the registry imports torch; ``isoexec.config``
+    reads the torch-free :mod:`isoexec.kernels.topology` at load)."""
+    if name in __all__:
+        from isoexec.kernels import registry
+
+        return getattr(registry, name)
+    raise AttributeError(f"module 'isoexec.kernels' has no attribute {name!r}")

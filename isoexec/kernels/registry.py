@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from isoexec.contract import REGIONS
+from isoexec.kernels.topology import ISOEXEC_CPU_TOPOLOGY, SINGLE_RANK
 
 GEMM_REGIONS = ("attn.qkv_proj", "attn.out_proj", "gdn.in_proj", "gdn.out_proj")
 """Projection GEMMs that share one implementation (``lm_head`` and the MoE GEMMs have their own entries)."""
@@ -35,14 +36,6 @@ ROW_PARALLEL_REGIONS = ("attn.out_proj", "gdn.out_proj")
 """Projections whose K is sharded under TP (Megatron's ``RowParallelLinear``): pik leaf GEMMs."""
 COLUMN_PARALLEL_REGIONS = ("attn.qkv_proj", "gdn.in_proj")
 """Projections whose output features are sharded under TP (``ColumnParallelLinear``): column tiles on CPU."""
-
-SINGLE_RANK = {"tp": (1,), "ep": (1,), "sp": (1,)}
-"""Topology of a set without parallel invariance: one rank in every dimension."""
-
-ISOEXEC_CPU_TOPOLOGY = {"tp": (1, 2, 4), "ep": (1, 2), "sp": (1, 2, 4), "dp": (1, 2)}
-"""Degrees under which the CPU isoexec set is proven invariant: the Megatron trainer's layouts in
-``tests/test_trainer_megatron.py`` (TP 1/2/4 with SP, EP 2 with two data-parallel replicas, TP 2 x EP 2)
-against the unified model. The pik tree itself allows every power of two dividing ``leaves``."""
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

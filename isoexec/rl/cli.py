@@ -5,7 +5,7 @@ One-liners for the workflow rules::
     isoexec rl init-model --config X.yaml --out runs/model/init
     isoexec rl sft   --config X.yaml --init runs/model/init --out runs/model/sft
     isoexec rl train --config X.yaml --mode native --seed 0 --init runs/model/sft \\
-        --out results/<exp>/rl/native/seed0 [--steps N] [--threads 1]
+        --out results/<exp>/rl/native/seed0 [--steps N] [--driver loop|skyrl] [--threads 1]
 
 The trainer and engine backends come from the experiment's ``trainer.backend`` / ``engine.backend``.
 """
@@ -13,6 +13,7 @@ The trainer and engine backends come from the experiment's ``trainer.backend`` /
 from __future__ import annotations
 
 import logging
+import sys
 from pathlib import Path
 
 import typer
@@ -67,15 +68,72 @@ def train(config: Path = typer.Option(..., help="experiment YAML"),
           init: Path = typer.Option(..., help="the SFT checkpoint"),
           out: Path = typer.Option(..., help="results/<exp>/rl/<mode>/seed<k>"),
           steps: int | None = typer.Option(None, help="override rl.steps"),
+          driver: str = typer.Option("loop", help="loop (isoexec's own loop) | skyrl (SkyRL's RayPPOTrainer, "
+                                                  "Ray started locally; needs the skyrl extra)"),
           threads: int = _THREADS) -> None:
     """One paired-run half: GRPO/DAPO steps of MODE from INIT; writes metrics.jsonl + provenance.json."""
     from isoexec.config import load_config
-    from isoexec.rl.loop import run_rl
 
     if mode not in ("native", "isoexec"):
         raise typer.BadParameter("--mode must be native or isoexec")
+    if driver not in ("loop", "skyrl"):
+        raise typer.BadParameter("--driver must be loop or skyrl")
+    if driver == "skyrl" and load_config(config).engine.backend != "vllm":
+        raise typer.BadParameter("--driver skyrl runs the vLLM engine only (engine.backend: vllm)")
     _setup(threads)
-    rows = run_rl(load_config(config), mode, seed, init, out, steps=steps)
+    cfg = load_config(config)
+    if driver == "skyrl":
+        from isoexec.rl.skyrl.driver import run_skyrl
+
+        rows = run_skyrl(cfg, mode, seed, init, out, steps=steps, threads=threads)
+    else:
+        from isoexec.rl.loop import run_rl
+
+        rows = run_rl(cfg, mode, seed, init, out, steps=steps)
+    _summary(mode, seed, rows, out)
+
+
+def _summary(mode: str, seed: int, rows: list[dict], out: Path) -> None:
     t = sum(r["time/step"] for r in rows) / max(1, len(rows))
     typer.echo(f"{mode} seed {seed}: {len(rows)} steps, mean step {t:.2f}s, final reward "
                f"{rows[-1]['reward_mean'] if rows else float('nan'):.3f}; wrote {out}/metrics.jsonl")
+
+
+@app.command("skyrl-config")
+def skyrl_config(config: Path = typer.Option(..., help="experiment YAML with a skyrl section"),
+                 mode: str = typer.Option(..., help="native | isoexec"),
+                 out: Path = typer.Option(..., help="YAML file of SkyRL overrides to write")) -> None:
+    """Render the GPU-node SkyRL configuration (SkyRL's dot-path overrides) of one mode, validated by SkyRL."""
+    import yaml
+
+    from isoexec.config import load_config
+    from isoexec.rl.skyrl import compat
+
+    compat.install()
+    from isoexec.rl.skyrl.render import build, recipe_overrides
+
+    overrides = recipe_overrides(load_config(config), mode)
+    build(overrides)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(yaml.safe_dump(overrides, sort_keys=True))
+    typer.echo(f"wrote {out}")
+
+
+@app.command("skyrl-launch")
+def skyrl_launch(rendered: Path = typer.Option(..., help="overrides written by skyrl-config"),
+                 dry_run: bool = typer.Option(False, help="print the command and environment only")) -> None:
+    """Run SkyRL's entry point (Megatron worker, SkyRL's vLLM servers with the isoexec plugin) on a GPU node."""
+    import os
+    import shlex
+
+    import yaml
+
+    from isoexec.rl.skyrl import compat
+
+    compat.install()
+    from isoexec.rl.skyrl.render import RECIPE_ENV, launch_command
+
+    cmd = launch_command(yaml.safe_load(rendered.read_text()), python=sys.executable)
+    typer.echo(" ".join(f"{k}={v}" for k, v in RECIPE_ENV.items()) + " " + shlex.join(cmd))
+    if not dry_run:
+        os.execvpe(cmd[0], cmd, {**os.environ, **RECIPE_ENV})

@@ -1,4 +1,8 @@
-"""The synchronous RL loop: one paired run (mode, seed) of GRPO/DAPO on the arithmetic task.
+"""The in-process RL loop: one paired run (mode, seed) of GRPO/DAPO on the arithmetic task, without Ray.
+
+The main job runs through SkyRL (``rl.driver: skyrl``, :mod:`isoexec.rl.skyrl.driver`); this loop is
+the light driver of the tests and of side-by-side timings, for the ``hf`` and ``unified`` trainers
+(one process) and without dynamic sampling (:class:`isoexec.config.ExperimentConfig` refuses both).
 
 Each step, in this order (timed with ``time.perf_counter``):
 
@@ -8,8 +12,10 @@ Each step, in this order (timed with ``time.perf_counter``):
 2. ``time/score``: the trainer's pre-update ``trainer_score`` (no grad) of every sequence gives the
    full-vocabulary rows at response positions, hence ``lT`` (and the entropy, full-vocab KL).
 3. metrics of :mod:`isoexec.rl.metrics` (rollout ``lR`` vs trainer ``lT``; rewards).
-4. ``time/train``: advantages, then ``rl.mini_batches`` optimizer updates with the DAPO loss whose
-   ratio is ``exp(logp_new - lT)`` (the trainer's own old logprobs; the rollout ratio is a metric).
+4. ``time/train``: advantages, then ``rl.mini_batches`` optimizer updates, both SkyRL's
+   (:mod:`isoexec.rl.skyrl.algorithm`: the estimator and policy loss named by the ``rl`` section, with
+   its loss reduction), the loss ratio being ``exp(logp_new - lT)`` (the trainer's own old logprobs;
+   the rollout ratio is a metric).
 5. ``time/weight_sync``: the trainer's compute-dtype weights (bf16 rounded from the fp32 masters)
    go to the engine (isoexec: contract handshake, checksums).
 
@@ -30,7 +36,8 @@ import torch
 from isoexec.config import ExperimentConfig
 from isoexec.io import atomic_write_json
 from isoexec.provenance import provenance
-from isoexec.rl import grpo, metrics
+from isoexec.rl import metrics
+from isoexec.rl.batch import build_batch, token_logprobs
 from isoexec.engines.base import Engine
 from isoexec.rl.task import Problem, make_splits, reward
 from isoexec.rl.tokenizer import encode_prompt, load_tokenizer
@@ -77,7 +84,7 @@ def rl_step(policy: Policy, engine: Engine, optimizer: MasterAdamW, tok, problem
         [[reward(tok.convert_ids_to_tokens(c.token_ids), p.answer, tok.eos_token) for c in group]
          for p, group in zip(problems, completions)]
     )  # [P, G]
-    batch = grpo.build_batch(prompts, completions)
+    batch = build_batch(prompts, completions)
 
     # 2. pre-update trainer_score
     t0 = time.perf_counter()
@@ -98,30 +105,29 @@ def rl_step(policy: Policy, engine: Engine, optimizer: MasterAdamW, tok, problem
     row["response_length_mean"] = float(batch.seq_index.bincount(minlength=rewards.numel()).double().mean())
     row["entropy_mean"] = metrics.entropy_mean(resp_rows)
 
-    # 4. update
+    # 4. update (SkyRL's estimator and loss)
     t0 = time.perf_counter()
-    adv = grpo.group_advantages(rewards, std_norm=rl.advantage_std_norm).reshape(-1)  # [B] per sequence
-    groups = list(range(len(problems)))
-    if rl.dynamic_sampling:
-        keep = grpo.informative_groups(rewards)
-        groups = [g for g in groups if bool(keep[g])]
-    row["groups_used"] = len(groups)
+    # imported here: the engine actor imports this module's seeds and must never import skyrl
+    from isoexec.rl.skyrl.algorithm import algorithm_config, policy_loss, sequence_advantages
+
+    alg = algorithm_config(config)
+    adv = sequence_advantages(rewards, alg)  # [B] per sequence
+    row["groups_used"] = len(problems)
     losses, norms, clip_fracs = [], [], []
-    n_mb = max(1, min(rl.mini_batches, len(groups)))
-    for mb in range(n_mb):
-        mb_groups = groups[mb::n_mb]
-        if not mb_groups:
-            continue
-        seqs = [g * rl.group_size + j for g in mb_groups for j in range(rl.group_size)]
+    per_mb = len(problems) // rl.mini_batches  # contiguous slices of whole groups, as SkyRL's mini-batches
+    for mb in range(rl.mini_batches):
+        seqs = list(range(mb * per_mb * rl.group_size, (mb + 1) * per_mb * rl.group_size))
         sub = batch.select(seqs)
         old = lT[torch.cat([torch.nonzero(batch.seq_index == s).squeeze(1) for s in seqs])]
-        new = grpo.token_logprobs(policy.trainer_logprobs(sub.input_ids, sub.cu_seqlens, grad=True), sub)
-        loss, stats = grpo.policy_loss(new, old, adv[torch.tensor(seqs)][sub.seq_index], rl.clip_low, rl.clip_high)
+        new = token_logprobs(policy.trainer_logprobs(sub.input_ids, sub.cu_seqlens, grad=True), sub)
+        (new_p, mask), (old_p, _) = sub.padded(new), sub.padded(old)
+        adv_p, _ = sub.padded(adv[torch.tensor(seqs)][sub.seq_index])
+        loss, stats = policy_loss(new_p, old_p, adv_p, mask, sub.padded(sub.rollout_logprobs)[0], alg)
         optimizer.zero_grad()
         loss.backward()
         norms.append(optimizer.step())
         losses.append(float(loss.detach()))
-        clip_fracs.append(stats["clip_frac"])
+        clip_fracs.append(stats["clip_ratio"])
     t_train = time.perf_counter() - t0
     row["loss"] = sum(losses) / len(losses) if losses else 0.0
     row["grad_norm"] = sum(norms) / len(norms) if norms else 0.0
@@ -155,6 +161,14 @@ def run_rl(config: ExperimentConfig, mode: str, seed: int, init_dir: str | Path,
     if mode == "isoexec" and rl.temperature != config.kernels.temperature:
         raise ValueError(f"rl.temperature={rl.temperature} differs from the contract's kernels.temperature="
                          f"{config.kernels.temperature}")
+    if config.rl.dynamic_sampling:
+        raise ValueError("rl.dynamic_sampling=true resamples prompts: only the SkyRL driver runs it (rl.driver: skyrl)")
+    if policy is None and config.trainer.backend_for(mode) == "megatron":
+        raise ValueError("trainer.backend='megatron' runs as a worker group under SkyRL (rl.driver: skyrl); "
+                         "the in-process loop runs 'hf' and 'unified'")
+    if rl.prompts_per_step % rl.mini_batches:
+        raise ValueError(f"rl.prompts_per_step={rl.prompts_per_step} must be a multiple of rl.mini_batches="
+                         f"{rl.mini_batches} (mini-batches of whole groups)")
     if not 1 <= rl.pass_k <= rl.group_size:
         raise ValueError(f"rl.pass_k={rl.pass_k} must be in [1, group_size={rl.group_size}]")
     out_dir = Path(out_dir)

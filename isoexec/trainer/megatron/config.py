@@ -18,9 +18,10 @@ overwrites them through :mod:`isoexec.trainer.megatron.convert`.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
-import torch.nn.functional as F
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,31 @@ class Layout:
         return self
 
 
+def layout_problems(c, layout: Layout) -> list[str]:
+    """What ``layout`` cannot split in the architecture ``c``, one message per size.
+
+    Args:
+        c: anything with the Qwen3-Next size fields (transformers' config, or
+            :class:`isoexec.config.ModelSection`, whose ``vocab_size`` may be None: then not checked).
+        layout: the parallel layout.
+
+    Returns:
+        Messages naming each size and degree: heads, GDN heads, vocabulary and shared-expert width
+        by ``tp``, experts by ``ep``, the expert width by the expert TP degree, and query groups vs ``tp``.
+    """
+    tp, etp = layout.tp, layout.expert_tp
+    sizes = (("num_attention_heads", c.num_attention_heads, "tp", tp),
+             ("linear_num_key_heads", c.linear_num_key_heads, "tp", tp),
+             ("linear_num_value_heads", c.linear_num_value_heads, "tp", tp), ("vocab_size", c.vocab_size, "tp", tp),
+             ("shared_expert_intermediate_size", c.shared_expert_intermediate_size, "tp", tp),
+             ("num_experts", c.num_experts, "ep", layout.ep), ("moe_intermediate_size", c.moe_intermediate_size, "etp", etp))
+    bad = [f"{name}={v} is not divisible by {deg_name}={deg}" for name, v, deg_name, deg in sizes
+           if v is not None and v % deg]
+    if c.num_key_value_heads % tp and tp % c.num_key_value_heads:
+        bad.append(f"num_key_value_heads={c.num_key_value_heads} and tp={tp}: one must divide the other")
+    return bad
+
+
 def transformer_config(hf_config, layout: Layout, dtype: torch.dtype):
     """The Megatron ``TransformerConfig`` of ``hf_config`` under ``layout``.
 
@@ -89,19 +115,14 @@ def transformer_config(hf_config, layout: Layout, dtype: torch.dtype):
     """
     layout.check()
     c = hf_config
-    tp, etp = layout.tp, layout.expert_tp
-    bad = [f"{name}={v} is not divisible by {deg_name}={deg}" for name, v, deg_name, deg in (
-        ("num_attention_heads", c.num_attention_heads, "tp", tp), ("linear_num_key_heads", c.linear_num_key_heads, "tp", tp),
-        ("linear_num_value_heads", c.linear_num_value_heads, "tp", tp), ("vocab_size", c.vocab_size, "tp", tp),
-        ("shared_expert_intermediate_size", c.shared_expert_intermediate_size, "tp", tp),
-        ("num_experts", c.num_experts, "ep", layout.ep), ("moe_intermediate_size", c.moe_intermediate_size, "etp", etp),
-    ) if v % deg]
-    if c.num_key_value_heads % tp and tp % c.num_key_value_heads:
-        bad.append(f"num_key_value_heads={c.num_key_value_heads} and tp={tp}: one must divide the other")
+    bad = layout_problems(c, layout)
     if bad:
         raise ValueError("layout " + str(layout) + ": " + "; ".join(bad))
     if getattr(c, "mlp_only_layers", None) or getattr(c, "decoder_sparse_step", 1) != 1 or not c.num_experts:
         raise ValueError("the Megatron trainer builds MoE in every layer: need num_experts > 0, decoder_sparse_step=1, mlp_only_layers=[]")
+    import torch
+    import torch.nn.functional as F
+
     if dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"dtype must be torch.float32 or torch.bfloat16, got {dtype}")
     from megatron.core.transformer import TransformerConfig

