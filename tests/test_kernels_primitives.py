@@ -81,3 +81,16 @@ def test_one_column_gemm_differs_from_its_column_in_a_wider_gemm_negative_contro
     g = torch.Generator().manual_seed(1)
     x, w = torch.randn(16, 256, generator=g), torch.randn(256, 16, generator=g)
     assert not torch.equal(torch.mm(x, w[:, :1].contiguous()), torch.mm(x, w)[:, :1])
+
+
+def test_tile_mm_gradient_is_the_matmul_gradient():
+    """The forward is per-tile (bitwise); the backward is two plain matmuls: same gradient as ``x @ w``."""
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(37, 24, generator=g, requires_grad=True), torch.randn(24, 40, generator=g, requires_grad=True)
+    gy = torch.randn(37, 40, generator=g)
+    (tile_mm(x, w, 16) * gy).sum().backward()
+    x2, w2 = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    ((x2 @ w2) * gy).sum().backward()
+    assert torch.allclose(x.grad, x2.grad, atol=1e-5) and torch.allclose(w.grad, w2.grad, atol=1e-5)
+    with torch.no_grad():
+        assert torch.equal(tile_mm(x, w, 16), tile_mm(x.detach(), w.detach(), 16))  # same forward bits

@@ -21,6 +21,36 @@ from __future__ import annotations
 import torch
 
 
+class _TileMM(torch.autograd.Function):
+    """Forward: one ``torch.mm`` per row tile (the bits). Backward: two plain matmuls (the gradient
+    need not be bitwise; one autograd node instead of one per tile)."""
+
+    @staticmethod
+    def forward(ctx, x, w, row_tile):  # noqa: D102
+        ctx.save_for_backward(x, w)
+        return _tile_mm(x, w, row_tile)
+
+    @staticmethod
+    def backward(ctx, g):  # noqa: D102
+        x, w = ctx.saved_tensors
+        gx = g @ w.t() if ctx.needs_input_grad[0] else None
+        gw = x.t() @ g if ctx.needs_input_grad[1] else None
+        return gx, gw, None
+
+
+def _tile_mm(x: torch.Tensor, w: torch.Tensor, row_tile: int) -> torch.Tensor:
+    n, k = x.shape
+    m = w.shape[1]
+    if n == 0:
+        return x.new_zeros((0, m))
+    pad = (-n) % row_tile
+    if pad:
+        x = torch.cat([x, x.new_zeros((pad, k))], dim=0)
+    w = w.contiguous()
+    out = torch.cat([torch.mm(t, w) for t in x.split(row_tile)], dim=0)
+    return out[:n]
+
+
 def tile_mm(x: torch.Tensor, w: torch.Tensor, row_tile: int) -> torch.Tensor:
     """Batch-invariant ``x @ w`` in the dtype of the inputs (fp32 in the isoexec kernel set).
 
@@ -35,18 +65,12 @@ def tile_mm(x: torch.Tensor, w: torch.Tensor, row_tile: int) -> torch.Tensor:
 
     Returns:
         ``[N, M]``; row i depends only on ``x[i]`` and ``w`` (never on N, on the other rows or on
-        the row's position in its tile). Differentiable.
+        the row's position in its tile). Differentiable: the gradient is that of ``x @ w`` computed
+        by two plain matmuls (not bitwise; the forward is).
     """
-    n, k = x.shape
-    m = w.shape[1]
-    if n == 0:
-        return x.new_zeros((0, m))
-    pad = (-n) % row_tile
-    if pad:
-        x = torch.cat([x, x.new_zeros((pad, k))], dim=0)
-    w = w.contiguous()
-    out = torch.cat([torch.mm(t, w) for t in x.split(row_tile)], dim=0)
-    return out[:n]
+    if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
+        return _TileMM.apply(x, w, row_tile)
+    return _tile_mm(x, w, row_tile)
 
 
 def tree_sum(x: torch.Tensor, dim: int = -1, keepdim: bool = False) -> torch.Tensor:

@@ -142,11 +142,9 @@ class KernelSet:
 
 # ------------------------------------------------------------------------------------- the sets
 def _isoexec_cpu(k) -> list[Impl]:
-    from isoexec.kernels import autograd
     from isoexec.kernels.attention import cpu as attn, rope
     from isoexec.kernels.conv.cpu import iso_causal_conv1d
     from isoexec.kernels.gdn import cpu as gdn
-    from isoexec.kernels.gdn.native import chunk_reference
     from isoexec.kernels.gemm.cpu import iso_linear, iso_row_linear
     from isoexec.kernels.logprob.cpu import iso_logprob
     from isoexec.kernels.moe import cpu as moe
@@ -157,10 +155,7 @@ def _isoexec_cpu(k) -> list[Impl]:
         if grad:
             if any(s is not None for s in states):
                 raise ValueError("trainer_fwd (grad=True) GDN starts from empty states")
-            o = autograd.with_ref_grad(
-                lambda *t: gdn.cpr_gdn(*t, lengths, [None] * len(lengths), k.chunk_size, keep_state=False)[0],
-                lambda *t: chunk_reference(lengths, k.chunk_size, *t), q, k_, v, g, beta)
-            return o, [None] * len(lengths)
+            return gdn.CPRTrainerFunction.apply(q, k_, v, g, beta, lengths, k.chunk_size), [None] * len(lengths)
         return gdn.cpr_gdn(q, k_, v, g, beta, lengths, states, k.chunk_size)
 
     V, A = "1", "cpu"
@@ -270,7 +265,6 @@ def _native(k, device: str) -> list[Impl]:
 
 
 def _isoexec_sm90(k) -> list[Impl]:
-    from isoexec.kernels import autograd
     from isoexec.kernels.attention import cpu as attn_cpu, rope, triton as attn
     from isoexec.kernels.conv import triton as conv
     from isoexec.kernels.gdn import cpu as gdn_cpu, triton as gdn

@@ -22,9 +22,8 @@ running state with the result (resync). So every case sees the same state at eac
 and the same in-chunk scan. Every state-pass product is a ``torch.bmm`` whose per-matrix bits do not
 depend on the batch (see ``isoexec/kernels/primitives.py``); everything else is elementwise.
 
-Backward (``trainer_fwd``) is not bitwise: the kernel set wraps :func:`cpr_gdn` with
-:func:`isoexec.kernels.autograd.with_ref_grad`, so gradients come from transformers' chunked torch
-implementation (:func:`isoexec.kernels.gdn.native.chunk_reference`) under autograd.
+Backward (``trainer_fwd``) is not bitwise: :class:`CPRTrainerFunction` runs the CPR forward and the
+gradient of the same recurrence in the C kernel ``cpr_scan_backward.c``.
 
 The gating region (``gdn.gating``, :func:`iso_gating`) lives here too.
 """
@@ -137,6 +136,59 @@ def _scan_lib():
     from isoexec.kernels.native_build import load_c_kernel
 
     return load_c_kernel(str(Path(__file__).with_name("cpr_scan.c")))
+
+
+def _backward_lib():
+    from pathlib import Path
+
+    from isoexec.kernels.native_build import load_c_kernel
+
+    return load_c_kernel(str(Path(__file__).with_name("cpr_scan_backward.c")))
+
+
+class CPRTrainerFunction(torch.autograd.Function):
+    """``trainer_fwd`` GDN: the CPR bits forward (:func:`cpr_gdn` from zero states), the gradient of
+    the same recurrence backward from ``cpr_scan_backward.c`` (reverse time, states recomputed per
+    chunk of C tokens; not bitwise, checked against an fp64 reference in the tests).
+
+    Inputs as :func:`cpr_gdn` (q, k ``[N, H, Dk]``, v ``[N, H, Dv]``, g, beta ``[N, H]``, fp32;
+    ``lengths`` per sequence, each from a zero state). Returns o ``[N, H, Dv]`` fp32.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, lengths: list[int], chunk_size: int):  # noqa: D102
+        ctx.save_for_backward(q, k, v, g, beta)
+        ctx.lengths, ctx.chunk_size = lengths, chunk_size
+        return cpr_gdn(q, k, v, g, beta, lengths, [None] * len(lengths), chunk_size, keep_state=False)[0]
+
+    @staticmethod
+    def backward(ctx, do):  # noqa: D102
+        import ctypes
+
+        q, k, v, g, beta = ctx.saved_tensors
+        N, H, Dk = k.shape
+        Dv = v.shape[-1]
+        scale = Dk**-0.5
+        qs = (q.float() * scale).contiguous()
+        k, v, beta = (x.float().contiguous() for x in (k, v, beta))
+        decay = torch.exp(g.float()).contiguous()
+        do = do.float().contiguous()
+        dq, dk, dv = torch.empty(N, H, Dk), torch.empty(N, H, Dk), torch.empty(N, H, Dv)
+        dd, db = torch.empty(N, H), torch.empty(N, H)
+        row0 = [0]
+        for n in ctx.lengths[:-1]:
+            row0.append(row0[-1] + n)
+        r0, ln = torch.tensor(row0, dtype=torch.int64), torch.tensor(ctx.lengths, dtype=torch.int64)
+        ptr = lambda t: ctypes.c_void_p(t.data_ptr())  # noqa: E731
+        rc = _backward_lib().isoexec_gdn_backward(
+            ptr(qs), ptr(k), ptr(v), ptr(decay), ptr(beta), ptr(do), ptr(dq), ptr(dk), ptr(dv), ptr(dd), ptr(db),
+            ptr(r0), ptr(ln), ctypes.c_int64(len(ctx.lengths)), ctypes.c_int64(H), ctypes.c_int64(Dk),
+            ctypes.c_int64(Dv), ctypes.c_int64(ctx.chunk_size))
+        if rc == -2:
+            raise ValueError(f"the CPU GDN backward needs Dv divisible by 16, got Dv={Dv}")
+        if rc != 0:
+            raise MemoryError("cpr_scan_backward.c could not allocate its state buffers")
+        return dq * scale, dk, dv, dd * decay, db, None, None
 
 
 def cpr_gdn(

@@ -82,7 +82,9 @@ def native_gdn(
 
 
 def chunk_reference(lengths: list[int], chunk_size: int, q, k, v, g, beta) -> torch.Tensor:
-    """Differentiable GDN of packed sequences through transformers' chunked torch implementation.
+    """Differentiable GDN of packed sequences through transformers' chunked torch implementation, all
+    sequences in one call (right-padded: a padded token has ``k = v = g = beta = 0``, which leaves the
+    state and every real token's output and gradient unchanged).
 
     Args:
         lengths: tokens per sequence (sum N); each sequence starts from a zero state.
@@ -93,13 +95,15 @@ def chunk_reference(lengths: list[int], chunk_size: int, q, k, v, g, beta) -> to
         o ``[N, H, Dv]`` fp32 (autograd graph kept).
     """
     chunk = torch_references()[0]
-    outs, row0 = [], 0
-    for n in lengths:
-        sl = slice(row0, row0 + n)
-        o, _ = chunk(q[sl][None], k[sl][None], v[sl][None], g=g[sl][None], beta=beta[sl][None], chunk_size=chunk_size)
-        outs.append(o[0].float())
-        row0 += n
-    return torch.cat(outs)
+    L, B = max(lengths), len(lengths)
+    rows = torch.cat([torch.arange(n) + i * L for i, n in enumerate(lengths)]).to(q.device)
+
+    def padded(x):
+        out = x.new_zeros((B * L, *x.shape[1:]))
+        return out.index_copy(0, rows, x).view(B, L, *x.shape[1:])
+
+    o, _ = chunk(padded(q), padded(k), padded(v), g=padded(g), beta=padded(beta), chunk_size=chunk_size)
+    return o.reshape(B * L, *o.shape[2:]).float().index_select(0, rows)
 
 
 def native_gating(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor):
