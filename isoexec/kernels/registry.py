@@ -267,6 +267,7 @@ def _native(k, device: str) -> list[Impl]:
 def _isoexec_sm90(k) -> list[Impl]:
     from isoexec.kernels.attention import cpu as attn_cpu, rope, triton as attn
     from isoexec.kernels.conv import triton as conv
+    from isoexec.kernels import autograd
     from isoexec.kernels.gdn import cpu as gdn_cpu, triton as gdn
     from isoexec.kernels.gdn.native import chunk_reference
     from isoexec.kernels.gemm import triton as gemm

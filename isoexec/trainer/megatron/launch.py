@@ -52,7 +52,9 @@ def init_parallel(layout: Layout, rank: int | None = None, world_size: int | Non
         torch.cuda.set_device(int(local) if local is not None else r % torch.cuda.device_count())
     if not dist.is_initialized():
         backend = backend or ("nccl" if compat.DEVICE == "cuda" else "gloo")
-        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
+        dist.init_process_group(backend, init_method=init_method,
+                                rank=-1 if rank is None else rank,
+                                world_size=-1 if world_size is None else world_size)
     if dist.get_world_size() != layout.world_size:
         raise ValueError(f"world size {dist.get_world_size()} != layout world size {layout.world_size} ({layout})")
     from megatron.core import parallel_state as ps
