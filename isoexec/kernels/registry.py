@@ -38,6 +38,13 @@ COLUMN_PARALLEL_REGIONS = ("attn.qkv_proj", "gdn.in_proj")
 """Projections whose output features are sharded under TP (``ColumnParallelLinear``): column tiles on CPU."""
 
 
+ISOEXEC_SM90_TOPOLOGY = {"tp": (1, 2), "ep": (1, 2), "sp": (1, 2), "dp": (1, 2)}
+"""Degrees under which the Triton isoexec set is proven invariant: the Megatron trainer on two H200s over
+NCCL (TP 1/2 with SP, EP 2) against the unified model's engine path, ``isoexec.bench.megatron_gpu``
+(``results/h200x2/megatron.csv``). The pik tree itself allows every power of two dividing ``leaves``
+(``results/h200x2/pik.csv`` checks 4 and 8 shards of one GEMM)."""
+
+
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
@@ -253,6 +260,7 @@ def _native(k, device: str) -> list[Impl]:
 def _isoexec_sm90(k) -> list[Impl]:
     from isoexec.kernels.attention import cpu as attn_cpu, rope, triton as attn
     from isoexec.kernels.conv import triton as conv
+    from isoexec.kernels import autograd
     from isoexec.kernels.gdn import cpu as gdn_cpu, triton as gdn
     from isoexec.kernels.gdn.native import chunk_reference
     from isoexec.kernels.gemm import triton as gemm
@@ -352,4 +360,4 @@ def build_kernel_set(mode: str, device: str, section=None) -> KernelSet:
         return KernelSet(mode, arch, _native(section, device), section)
     if device == "cpu":
         return KernelSet(mode, arch, _isoexec_cpu(section), section, ISOEXEC_CPU_TOPOLOGY)
-    return KernelSet(mode, arch, _isoexec_sm90(section), section)
+    return KernelSet(mode, arch, _isoexec_sm90(section), section, ISOEXEC_SM90_TOPOLOGY)

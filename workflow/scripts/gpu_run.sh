@@ -1,20 +1,23 @@
 #!/usr/bin/env bash
 # The one script the GPU node runs: carried wheels -> GPU tests, gates, benchmarks, pik over NCCL.
 # Usage (repo root, CUDA machine): OUT=/some/dir bash workflow/scripts/gpu_run.sh [STAGE]...
-# Stages: test gates variants profile kernels cpr model rlstep pik; "all" = test gates kernels cpr profile
-# rlstep pik. pik runs first, one process per GPU (torchrun, NCCL), when there are at least two GPUs; then
-# the timed stages (variants profile kernels cpr model rlstep) run one after another on GPU 0 while the
-# correctness stages (test gates) run on GPU 1 (with one GPU: after the timed stages, on GPU 0).
+# Stages: test gates variants profile kernels cpr model rlstep pik megatron; "all" = test gates kernels cpr
+# profile rlstep pik megatron. pik runs first, one process per GPU (torchrun, NCCL), when there are at least
+# two GPUs; then the timed stages (variants profile kernels cpr model rlstep, then the one-GPU phase of
+# megatron) run one after another on GPU 0 while the correctness stages (test gates) run on GPU 1 (with one
+# GPU: after the timed stages, on GPU 0); last, megatron's two-GPU phase (torchrun, NCCL: the Megatron
+# trainer at TP=2 + SP, EP=2, TP=2 x EP=2 against the one-GPU phase's TP=1 and engine rows).
 # Writes $OUT/h200/{kernel_bench.csv,cpr_layer.csv,cpr_breakdown.csv,variants_*.csv,
-# model_throughput.csv,rl_step.csv,provenance.json,tests.log,gates/{gates.csv,contract.json}}, $OUT/h200x2/pik.csv
-# and $OUT/log.txt; copy them
-# to results/h200/ and results/h200x2/ to commit. Each stage has a time limit (T_<STAGE> seconds).
+# model_throughput.csv,rl_step.csv,provenance.json,tests.log,gates/{gates.csv,contract.json}},
+# $OUT/h200x2/{pik.csv,megatron.csv,megatron_step.csv,megatron_tests.log,*.provenance.json} and $OUT/log.txt; copy them
+# to results/h200/ and results/h200x2/ to commit. Each stage has a time limit (T_<STAGE> seconds; megatron:
+# T_MEGATRON1 and T_MEGATRON2 for its two phases).
 set -o pipefail
 WHAT=" ${*:-all} "
-has() { [[ "$WHAT" == *" $1 "* || ( "$WHAT" == *" all "* && " test gates kernels cpr profile rlstep pik " == *" $1 "* ) ]]; }
+has() { [[ "$WHAT" == *" $1 "* || ( "$WHAT" == *" all "* && " test gates kernels cpr profile rlstep pik megatron " == *" $1 "* ) ]]; }
 OUT=${OUT:-results}
 mkdir -p "$OUT/h200" "$OUT/h200x2"
-if [ -d .whl ] && ! python3 -c "import fla, pydantic" 2>/dev/null; then
+if [ -d .whl ] && ! python3 -c "import fla, pydantic, megatron.core" 2>/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 else
@@ -26,6 +29,8 @@ CONFIG=${CONFIG:-experiments/h200.yaml}
 RLCONFIG=${RLCONFIG:-experiments/h200-rlstep.yaml}
 NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())")
 B="python3 -m isoexec.bench.gpu"
+MEGATRON_WORK=$(mktemp -d)
+M="-m isoexec.bench.megatron_gpu --config $CONFIG --work $MEGATRON_WORK"
 
 timed_stages() {
   for s in variants profile kernels cpr model; do
@@ -40,6 +45,10 @@ timed_stages() {
       --out "$OUT/h200/rl_step.csv" ${RL_ARGS:-}
     echo "rlstep exit: $?"
   fi
+  if has megatron && [ "$NGPU" -ge 2 ]; then
+    CUDA_VISIBLE_DEVICES=0 timeout "${T_MEGATRON1:-240}" python3 -m torch.distributed.run --standalone --nproc_per_node 1 $M --phase single
+    echo "megatron single exit: $?"
+  fi
 }
 
 check_stages() {
@@ -52,6 +61,11 @@ check_stages() {
   if has gates; then
     CUDA_VISIBLE_DEVICES=$dev timeout "${T_GATES:-300}" $B gates --config "$CONFIG" --out-dir "$OUT/h200/gates"
     echo "gates exit: $?"
+  fi
+  if has megatron; then
+    CUDA_VISIBLE_DEVICES=$dev timeout "${T_MTEST:-120}" python3 -m pytest -q -p no:cacheprovider \
+      tests/test_trainer_megatron_gpu.py tests/test_trainer_megatron_compat.py > "$OUT/h200x2/megatron_tests.log" 2>&1
+    echo "megatron tests exit: $? ($(tail -n 1 "$OUT/h200x2/megatron_tests.log"))"
   fi
 }
 
@@ -68,6 +82,11 @@ check_stages() {
     CHECKS=$!
     timed_stages
     wait $CHECKS
+    if has megatron; then
+      timeout "${T_MEGATRON2:-300}" python3 -m torch.distributed.run --standalone --nproc_per_node 2 $M --phase pair \
+        --out "$OUT/h200x2/megatron.csv"
+      echo "megatron pair exit: $?"
+    fi
   else
     timed_stages
     check_stages 0

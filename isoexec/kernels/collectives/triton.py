@@ -99,3 +99,42 @@ def native_row_parallel_linear(x_shard: torch.Tensor, w_shard: torch.Tensor, gro
     if tp > 1:
         dist.all_reduce(y, op=dist.ReduceOp.SUM, group=group)
     return y
+
+
+class _PikRowParallel(torch.autograd.Function):
+    """Forward: :func:`pik_row_parallel_linear`. Backward (not bitwise, as Megatron's
+    ``RowParallelLinear``): the output gradient, all-gathered along the rows under sequence
+    parallelism, times the shard's weight and input (cuBLAS)."""
+
+    @staticmethod
+    def forward(ctx, x_shard, w_shard, cfg, leaves, group, sequence_parallel):  # noqa: D102
+        ctx.save_for_backward(x_shard, w_shard)
+        ctx.group, ctx.sp = group, sequence_parallel
+        return pik_row_parallel_linear(x_shard, w_shard, cfg, leaves, group, sequence_parallel=sequence_parallel)
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: D102
+        x, w = ctx.saved_tensors
+        tp, _ = _degree_rank(ctx.group)
+        grad = grad.contiguous()
+        if ctx.sp and tp > 1:
+            full = torch.empty((grad.shape[0] * tp, *grad.shape[1:]), device=grad.device, dtype=grad.dtype)
+            dist.all_gather_into_tensor(full, grad, group=ctx.group)
+            grad = full
+        gx = grad @ w.to(grad.dtype) if ctx.needs_input_grad[0] else None
+        gw = (grad.t() @ x.to(grad.dtype)).to(w.dtype) if ctx.needs_input_grad[1] else None
+        return gx, gw, None, None, None, None
+
+
+def pik_row_parallel_linear_autograd(x_shard: torch.Tensor, w_shard: torch.Tensor, cfg, leaves: int, group,
+                                     sequence_parallel: bool = False) -> torch.Tensor:
+    """:func:`pik_row_parallel_linear` (output in ``x_shard.dtype``) with a gradient: the forward bits
+    are pik's; the backward is the row-parallel linear's usual one (identity through the all-reduce,
+    an all-gather of the rows through the sequence-parallel reduce-scatter), in the inputs' dtype.
+
+    Args and returns: as :func:`pik_row_parallel_linear` (``x_shard [M, K/tp]``, ``w_shard [N, K/tp]``;
+    ``[M, N]`` or ``[M/tp, N]``). Raises: as :func:`pik_row_parallel_linear`.
+    """
+    if torch.is_grad_enabled() and (x_shard.requires_grad or w_shard.requires_grad):
+        return _PikRowParallel.apply(x_shard, w_shard, cfg, leaves, group, sequence_parallel)
+    return pik_row_parallel_linear(x_shard, w_shard, cfg, leaves, group, sequence_parallel=sequence_parallel)

@@ -443,23 +443,30 @@ def grouped_linear_leaves(x: torch.Tensor, w: torch.Tensor, counts: list[int], c
 
 
 def linear_leaves_partial(x_shard: torch.Tensor, w_shard: torch.Tensor, cfg, leaves_local: int,
-                          out: torch.Tensor | None = None) -> torch.Tensor:
+                          out: torch.Tensor | None = None, counts: list[int] | None = None) -> torch.Tensor:
     """One TP rank's subtree sum of a row-parallel GEMM, fp32, in one launch (no communication).
 
     Args:
-        x_shard: ``[M, K/tp]`` the rank's contiguous K slice. w_shard: ``[N, K/tp]`` the same slice of the weight.
+        x_shard: ``[M, K/tp]`` the rank's contiguous K slice. w_shard: ``[N, K/tp]`` the same slice of the
+            weight, or ``[E, N, K/tp]`` with ``counts`` (the grouped expert ``down_proj`` of an expert-TP rank).
         cfg: ``isoexec.config.TritonSection``. leaves_local: G/tp, the leaves this rank owns.
         out: optional fp32 ``[M, N]`` to write into (e.g. this rank's slot of the all-gather buffer).
+        counts: rows per expert (host ints, sum M; rows sorted by expert), as :func:`grouped_linear_leaves`.
 
     Returns:
-        ``[M, N]`` fp32: the rank's ``leaves_local`` leaf partials added in the tree order.
+        ``[M, N]`` fp32: the rank's ``leaves_local`` leaf partials added in the tree order (grouped: each
+        row with its expert's weight).
     """
     x = _contig_k(x_shard)
     w = w_shard.to(x.dtype).contiguous()
     leaf_k = _check_leaves(x.shape[1], leaves_local)
-    y = out if out is not None else torch.empty((x.shape[0], w.shape[0]), device=x.device, dtype=torch.float32)
+    if out is not None:
+        y = out
+    else:
+        y = (torch.zeros if counts is not None else torch.empty)((x.shape[0], w.shape[-2]), device=x.device,
+                                                                 dtype=torch.float32)
     if x.shape[0]:
-        _launch_leaves(x, w, y, None, cfg, leaf_k, leaves_local, 1)
+        _launch_leaves(x, w, y, counts, cfg, leaf_k, leaves_local, 1)
     return y
 
 

@@ -13,7 +13,13 @@ from __future__ import annotations
 import torch
 
 from isoexec.kernels.autograd import with_ref_grad
-from isoexec.kernels.gemm.triton import grouped_linear, grouped_linear_leaves, linear_autograd, linear_leaves_autograd
+from isoexec.kernels.gemm.triton import (
+    grouped_linear,
+    grouped_linear_leaves,
+    linear_autograd,
+    linear_leaves_autograd,
+    linear_leaves_partial,
+)
 from isoexec.kernels.moe.routing import iso_route
 from isoexec.kernels.primitives import sigmoid, silu
 
@@ -72,6 +78,88 @@ def shared_expert(x, shared, gate_w, cfg, leaves: int) -> torch.Tensor:
     wg, wu, wd = shared
     h = (silu(linear_autograd(x, wg, cfg).float()) * linear_autograd(x, wu, cfg).float()).to(x.dtype)
     return sigmoid(linear_autograd(x, gate_w, cfg).float()) * linear_leaves_autograd(h, wd, cfg, leaves).float()
+
+
+def swiglu_partial(x, wg, wu, wd, cfg, leaves_local: int) -> torch.Tensor:
+    """One tensor-parallel rank's share of the shared expert's SwiGLU ``down(silu(gate(x)) * up(x))``.
+
+    Args:
+        x: ``[N, H]`` (boundary dtype, CUDA). wg, wu: ``[I/tp, H]`` the rank's rows of ``gate_proj`` /
+            ``up_proj``. wd: ``[H, I/tp]`` the same slice of ``down_proj``'s input features.
+        cfg: ``isoexec.config.TritonSection``. leaves_local: G/tp, the ``down_proj`` leaves of this rank.
+
+    Returns:
+        ``[N, H]`` fp32: the rank's pik subtree sum of ``down_proj`` (``silu(g) * u`` rounded to the boundary
+        dtype first, as :func:`shared_expert`); the ``tp`` ranks' sums added by the fixed tree and rounded
+        give :func:`shared_expert`'s ``down_proj`` bits. Gradient: ``F.linear``'s.
+    """
+    import torch.nn.functional as F
+
+    h = (silu(linear_autograd(x, wg, cfg).float()) * linear_autograd(x, wu, cfg).float()).to(x.dtype)
+    return with_ref_grad(lambda a, b: linear_leaves_partial(a, b, cfg, leaves_local),
+                         lambda a, b: F.linear(a, b.to(a.dtype)).float(), h, wd)
+
+
+def shared_expert_gate(x, gate_w, cfg) -> torch.Tensor:
+    """The shared expert's gate ``sigmoid(x @ gate_w.T)``, ``[N, 1]`` fp32 (``gate_w [1, H]``), as :func:`shared_expert`."""
+    return sigmoid(linear_autograd(x, gate_w, cfg).float())
+
+
+def experts_partial(x, ids, local_ids: list[int], expert_weights, cfg, leaves_local: int) -> torch.Tensor:
+    """Region ``moe.experts`` on one expert-parallel / expert-TP rank: its experts' shards only.
+
+    Args:
+        x: ``[N, H]`` (boundary dtype, CUDA). ids: ``[N, k]`` int64 global expert ids.
+        local_ids: the global ids of this rank's experts. expert_weights: per local expert, the rank's
+            shards (gate ``[I/etp, H]``, up ``[I/etp, H]``, down ``[H, I/etp]``).
+        cfg: ``isoexec.config.TritonSection``. leaves_local: G/etp, the ``down_proj`` leaves of this rank.
+
+    Returns:
+        ``[N, k, H]`` fp32: for each (token, slot) routed to a local expert, the rank's pik subtree sum of
+        that expert's ``down_proj`` (the same grouped launches as :func:`experts`, restricted to the
+        local experts); zeros elsewhere. With ``etp = 1`` each routed slot rounded to ``x.dtype`` is
+        :func:`experts`'s bits. Gradient: a per-expert cuBLAS reference's.
+    """
+    flat_w = [w for e in expert_weights for w in e]
+    ne = len(expert_weights)
+
+    def unflat(f):
+        return [tuple(f[3 * i : 3 * i + 3]) for i in range(ne)]
+
+    return with_ref_grad(lambda xx, *f: _experts_partial(xx, ids, local_ids, unflat(f), cfg, leaves_local),
+                         lambda xx, *f: _experts_partial_reference(xx, ids, local_ids, unflat(f)), x, *flat_w)
+
+
+def _experts_partial(x, ids, local_ids, expert_weights, cfg, leaves_local: int) -> torch.Tensor:
+    n, hdim = x.shape
+    top_k = ids.shape[1]
+    y = torch.zeros((n * top_k, hdim), device=x.device, dtype=torch.float32)
+    if not expert_weights or not ids.numel():
+        return y.view(n, top_k, hdim)
+    local = torch.full((max(max(local_ids), int(ids.max())) + 1,), -1, dtype=torch.long, device=ids.device)
+    local[torch.tensor(local_ids, device=ids.device)] = torch.arange(len(local_ids), device=ids.device)
+    slot = local[ids.reshape(-1)]  # local expert of each (token, rank) pair, -1 elsewhere
+    mine = torch.nonzero(slot >= 0).squeeze(1)
+    order = mine[torch.sort(slot[mine], stable=True).indices]
+    counts = torch.bincount(slot[mine], minlength=len(expert_weights)).tolist()
+    xs = x[order // top_k]
+    wg, wu, wd = (torch.stack([e[i].detach() for e in expert_weights]) for i in range(3))
+    h = (silu(grouped_linear(xs, wg, counts, cfg).float()) * grouped_linear(xs, wu, counts, cfg).float()).to(x.dtype)
+    y[order] = linear_leaves_partial(h, wd, cfg, leaves_local, counts=counts)
+    return y.view(n, top_k, hdim)
+
+
+def _experts_partial_reference(x, ids, local_ids, expert_weights) -> torch.Tensor:
+    import torch.nn.functional as F
+
+    lin = lambda a, w: F.linear(a, w.to(a.dtype))  # noqa: E731
+    y = torch.zeros((x.shape[0], ids.shape[1], x.shape[1]), device=x.device, dtype=torch.float32)
+    for eid, (wg, wu, wd) in zip(local_ids, expert_weights):
+        tok, rank = torch.where(ids == eid)
+        if tok.numel():
+            h = (F.silu(lin(x[tok], wg).float()) * lin(x[tok], wu).float()).to(x.dtype)
+            y = y.index_put((tok, rank), lin(h, wd).float())
+    return y
 
 
 def experts_reference(x, ids, expert_weights) -> torch.Tensor:

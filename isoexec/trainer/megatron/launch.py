@@ -1,8 +1,9 @@
 """Process groups of the Megatron trainer, and a launcher of local CPU processes (gloo).
 
-:func:`init_parallel` is the one entry point a rank calls (from a test, a benchmark or a Ray actor):
-it joins ``torch.distributed`` if the caller has not, then creates Megatron's model-parallel groups
-for a :class:`~isoexec.trainer.megatron.config.Layout`. Nothing else is global: the groups live in
+:func:`init_parallel` is the one entry point a rank calls (from a test, a benchmark, a ``torchrun``
+process or a Ray actor): it joins ``torch.distributed`` if the caller has not (NCCL with one GPU per
+process where CUDA exists, :data:`~isoexec.trainer.megatron.compat.DEVICE`; else gloo), then creates
+Megatron's model-parallel groups for a :class:`~isoexec.trainer.megatron.config.Layout`. Nothing else is global: the groups live in
 ``torch.distributed`` and Megatron's ``parallel_state``, which :func:`shutdown` tears down.
 
 :func:`run` starts ``world_size`` local processes in one gloo group with
@@ -12,6 +13,9 @@ deadlocks), with Megatron pre-imported in the fork server when it is started by 
 
 from __future__ import annotations
 
+import os
+
+import torch
 import torch.distributed as dist
 
 from isoexec.trainer.megatron import compat
@@ -22,14 +26,17 @@ PRELOAD = ("isoexec.trainer.megatron.spec", "isoexec.trainer.megatron.trainer")
 
 
 def init_parallel(layout: Layout, rank: int | None = None, world_size: int | None = None,
-                  init_method: str | None = None, backend: str = "gloo") -> dict[str, object]:
+                  init_method: str | None = None, backend: str | None = None) -> dict[str, object]:
     """Join the process group (if not yet) and create Megatron's groups for ``layout``.
 
     Args:
         layout: the parallel layout (checked).
         rank, world_size, init_method: passed to ``torch.distributed.init_process_group`` when the
-            process has not joined a group yet (e.g. ``"tcp://host:port"``); ignored otherwise.
-        backend: ``"gloo"`` (CPU) or ``"nccl"``.
+            process has not joined a group yet (e.g. ``"tcp://host:port"``; None: torchrun's
+            environment); ignored otherwise.
+        backend: ``"gloo"`` or ``"nccl"``; None: ``"nccl"`` on CUDA, ``"gloo"`` on the CPU. On CUDA the
+            process takes GPU ``LOCAL_RANK`` (torchrun's variable; default the global rank modulo the
+            GPU count) before joining.
 
     Returns:
         ``{"tp", "ep", "etp", "dp"}``: the process groups of this rank (Megatron's).
@@ -39,8 +46,15 @@ def init_parallel(layout: Layout, rank: int | None = None, world_size: int | Non
     """
     layout.check()
     compat.apply()
+    if compat.DEVICE == "cuda":
+        local = os.environ.get("LOCAL_RANK")
+        r = rank if rank is not None else int(os.environ.get("RANK", "0"))
+        torch.cuda.set_device(int(local) if local is not None else r % torch.cuda.device_count())
     if not dist.is_initialized():
-        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
+        backend = backend or ("nccl" if compat.DEVICE == "cuda" else "gloo")
+        dist.init_process_group(backend, init_method=init_method,
+                                rank=-1 if rank is None else rank,
+                                world_size=-1 if world_size is None else world_size)
     if dist.get_world_size() != layout.world_size:
         raise ValueError(f"world size {dist.get_world_size()} != layout world size {layout.world_size} ({layout})")
     from megatron.core import parallel_state as ps

@@ -21,9 +21,13 @@ calls into a :class:`~isoexec.kernels.KernelSet`, with the same operation order 
   ``linear_fc1`` / ``linear_fc2`` slots keep Megatron's modules as weight holders (same names and
   tensor-parallel attributes); their forward is not called.
 
-The regions run the CPU ``isoexec`` kernels (:mod:`isoexec.kernels.gemm.cpu`,
-:mod:`isoexec.kernels.moe.cpu`, :mod:`isoexec.kernels.collectives.pik`); constants come from the
-kernel set's region entries, so the unified model and this trainer read the same numbers.
+The regions run the kernel set's own kernels; where a layout splits a region over ranks, the
+kernel set's arch picks the split pieces (:class:`CpuShards`: the CPU kernels of
+:mod:`isoexec.kernels.gemm.cpu`, :mod:`isoexec.kernels.moe.cpu` and :mod:`isoexec.kernels.collectives.pik`
+over gloo; :class:`TritonShards`: the Triton leaf and grouped GEMMs of :mod:`isoexec.kernels.moe.triton`
+and the Triton pik path :func:`isoexec.kernels.collectives.triton.pik_row_parallel_linear` over NCCL).
+Constants come from the kernel set (its region entries or its section), so the unified model and this
+trainer read the same numbers.
 
 Backward is Megatron's usual one (gradients are not bitwise across layouts): identity through the pik
 all-reduce, all-gather through the pik reduce-scatter, reduce-scatter through the gathers.
@@ -50,8 +54,7 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 from isoexec.kernels import KernelSet
 from isoexec.kernels.attention.rope import rope_cos_sin, rope_inv_freq
 from isoexec.kernels.collectives.pik import pik_all_reduce, pik_reduce_scatter, pik_row_parallel_partial, pik_tree_combine
-from isoexec.kernels.moe.cpu import iso_swiglu_partial, shared_expert_gate
-from isoexec.trainer.megatron.compat import padding_lengths
+from isoexec.trainer.megatron.compat import DEVICE, padding_lengths
 from isoexec.trainer.megatron.spec import GatedSelfAttention
 
 
@@ -92,6 +95,103 @@ def pik_combine(partial: torch.Tensor, group, sequence_parallel: bool) -> torch.
     if group.size() > 1:
         return _PikAllReduce.apply(partial, group)
     return partial
+
+
+# --------------------------------------------------------------------------- split regions by arch
+class CpuShards:
+    """The pieces a layout splits over ranks, with the CPU ``isoexec`` kernels (arch ``cpu``).
+
+    Every method returns fp32 pik subtree sums or rounded results with the kernel set's constants
+    (``row_tile``, ``col_tile``, ``leaves`` of the region); see :class:`TritonShards` for the contract.
+    """
+
+    def __init__(self, kernels: KernelSet):
+        self.kernels = kernels
+
+    def row_parallel(self, x, w, region: str, group, sequence_parallel: bool) -> torch.Tensor:
+        """Region ``region`` (``attn.out_proj`` / ``gdn.out_proj``) on this rank's K shard, finished over
+        ``group``: ``x [M, K/tp]``, ``w [N, K/tp]`` -> ``[M(/tp), N]`` in ``x.dtype``."""
+        c = self.kernels[region].constants
+        partial = pik_row_parallel_partial(x, w, group.size(), c["leaves"], c["row_tile"])
+        return pik_combine(partial, group, sequence_parallel).to(x.dtype)
+
+    def swiglu_partial(self, x, wg, wu, wd, tp: int) -> torch.Tensor:
+        """The shared expert's SwiGLU on a 1/``tp`` intermediate shard: ``[N, H]`` fp32 subtree sum."""
+        from isoexec.kernels.moe.cpu import iso_swiglu_partial
+
+        c = self.kernels["mlp.shared_expert"].constants
+        return iso_swiglu_partial(x, wg, wu, wd, tp, c["row_tile"], c["col_tile"], c["leaves"])
+
+    def shared_gate(self, x, gate_w) -> torch.Tensor:
+        """``sigmoid(x @ gate_w.T)``, ``[N, 1]`` fp32."""
+        from isoexec.kernels.moe.cpu import shared_expert_gate
+
+        c = self.kernels["mlp.shared_expert"].constants
+        return shared_expert_gate(x, gate_w, c["row_tile"], c["col_tile"])
+
+    def experts_partial(self, x, ids, local_ids: list[int], weights, etp: int) -> torch.Tensor:
+        """This rank's experts ``local_ids`` (shards ``weights`` = per expert (gate, up, down)) for the
+        (token, slot) pairs routed to them: ``[N, k, H]`` fp32 subtree sums, zeros elsewhere."""
+        from isoexec.kernels.moe.cpu import iso_swiglu_partial
+
+        c = self.kernels["moe.experts"].constants
+        part = x.new_zeros((x.shape[0], ids.shape[1], x.shape[1]), dtype=torch.float32)
+        for eid, (wg, wu, wd) in zip(local_ids, weights):
+            tok, slot = torch.nonzero(ids == eid, as_tuple=True)
+            if tok.numel() == 0:
+                continue
+            sub = iso_swiglu_partial(x[tok], wg, wu, wd, etp, c["row_tile"], c["col_tile"], c["leaves"])
+            part = part.index_put((tok, slot), sub)
+        return part
+
+
+class TritonShards(CpuShards):
+    """The same pieces with the Triton ``isoexec`` kernels (arch ``sm90``), same contract: the G leaves
+    and Triton tiles of the kernel set's section, so that each piece, finished over the ranks by the fixed
+    tree, gives the single-GPU region's bits. Row-parallel regions run
+    :func:`~isoexec.kernels.collectives.triton.pik_row_parallel_linear` (leaf GEMM of the rank's subtree,
+    fp32 subtree sums moved by NCCL, fused combine and rounding)."""
+
+    def __init__(self, kernels: KernelSet):
+        super().__init__(kernels)
+        self.cfg, self.leaves = kernels.section.triton, kernels.section.leaves
+
+    def row_parallel(self, x, w, region: str, group, sequence_parallel: bool) -> torch.Tensor:  # noqa: D102
+        from isoexec.kernels.collectives.triton import pik_row_parallel_linear_autograd
+
+        return pik_row_parallel_linear_autograd(x, w, self.cfg, self.leaves, group, sequence_parallel)
+
+    def swiglu_partial(self, x, wg, wu, wd, tp: int) -> torch.Tensor:  # noqa: D102
+        from isoexec.kernels.moe.triton import swiglu_partial
+
+        return swiglu_partial(x, wg, wu, wd, self.cfg, self.leaves // tp)
+
+    def shared_gate(self, x, gate_w) -> torch.Tensor:  # noqa: D102
+        from isoexec.kernels.moe.triton import shared_expert_gate
+
+        return shared_expert_gate(x, gate_w, self.cfg)
+
+    def experts_partial(self, x, ids, local_ids: list[int], weights, etp: int) -> torch.Tensor:  # noqa: D102
+        from isoexec.kernels.moe.triton import experts_partial
+
+        return experts_partial(x, ids, local_ids, weights, self.cfg, self.leaves // etp)
+
+
+def shards(kernels: KernelSet) -> CpuShards:
+    """The split pieces of ``kernels`` by its arch (``cpu`` or ``sm90``).
+
+    Raises:
+        ValueError: another arch.
+    """
+    by_arch = {"cpu": CpuShards, "sm90": TritonShards}
+    if kernels.arch not in by_arch:
+        raise ValueError(f"kernel set arch={kernels.arch!r}; allowed: {sorted(by_arch)}")
+    return by_arch[kernels.arch](kernels)
+
+
+def _device() -> torch.device:
+    """This process's device (:data:`~isoexec.trainer.megatron.compat.DEVICE`; on CUDA the current GPU)."""
+    return torch.device("cuda", torch.cuda.current_device()) if DEVICE == "cuda" else torch.device("cpu")
 
 
 # ------------------------------------------------------------------------------------- linears
@@ -140,21 +240,19 @@ class IsoRowParallelLinear(RowParallelLinear):
 
     def __init__(self, *args, kernels: KernelSet, region: str, **kw):
         super().__init__(*args, **kw)
-        c = kernels[region].constants
-        self.leaves, self.row_tile = c["leaves"], c["row_tile"]
+        self.shards, self.region = shards(kernels), region
 
     def forward(self, input_):  # noqa: D102
         s = input_.shape
         x = input_.reshape(-1, s[-1])
-        partial = pik_row_parallel_partial(x, self.weight, self.tp_group.size(), self.leaves, self.row_tile)
-        y = pik_combine(partial, self.tp_group, self.sequence_parallel).to(x.dtype)
+        y = self.shards.row_parallel(x, self.weight, self.region, self.tp_group, self.sequence_parallel)
         return y.reshape(-1, *s[1:-1], y.shape[-1]), None
 
 
 # ----------------------------------------------------------------------------------- attention
-def _sequences(seq_len: int, lengths: torch.Tensor) -> list[torch.Tensor]:
-    """Row indices of each sequence's real tokens in the batch-major flattening ``[B * seq_len]``."""
-    return [b * seq_len + torch.arange(int(n)) for b, n in enumerate(lengths)]
+def _sequences(seq_len: int, lengths: list[int], device) -> list[torch.Tensor]:
+    """Row indices (on ``device``) of each sequence's real tokens in the batch-major flattening ``[B * seq_len]``."""
+    return [b * seq_len + torch.arange(n, device=device) for b, n in enumerate(lengths)]
 
 
 class IsoCoreAttention(MegatronModule):
@@ -177,10 +275,10 @@ class IsoCoreAttention(MegatronModule):
         s, b, h, d = query.shape
         lengths = padding_lengths(attention_mask)
         qb, kb, vb = (t.transpose(0, 1) for t in (query, key, value))  # [b, s, heads, d]
-        q = torch.cat([qb[i, : int(n)] for i, n in enumerate(lengths)])
-        kv = [(kb[i, : int(n)], vb[i, : int(n)]) for i, n in enumerate(lengths)]
-        o = self.kernels["attn.core"](q, kv, [0] * b, [int(n) for n in lengths])
-        rows = torch.cat(_sequences(s, lengths))
+        q = torch.cat([qb[i, :n] for i, n in enumerate(lengths)])
+        kv = [(kb[i, :n], vb[i, :n]) for i, n in enumerate(lengths)]
+        o = self.kernels["attn.core"](q, kv, [0] * b, lengths)
+        rows = torch.cat(_sequences(s, lengths, o.device))
         out = o.new_zeros((b * s, h, d)).index_copy(0, rows, o)
         return out.view(b, s, h * d).transpose(0, 1)
 
@@ -206,7 +304,8 @@ class IsoSelfAttention(GatedSelfAttention):
         query, key, value, gate = self.get_query_key_value_tensors(hidden_states, None, output_gate=True)
         s, b = query.shape[:2]
         rope = self.kernels["attn.rope"]
-        cos, sin = rope_cos_sin(torch.arange(s).repeat_interleave(b), self.inv_freq, query.dtype)  # rows s-major
+        positions = torch.arange(s, device=query.device).repeat_interleave(b)  # rows s-major
+        cos, sin = rope_cos_sin(positions, self.inv_freq.to(query.device), query.dtype)
         query = rope(query.reshape(s * b, *query.shape[2:]), cos, sin).view(query.shape)
         key = rope(key.reshape(s * b, *key.shape[2:]), cos, sin).view(key.shape)
         o = self.core_attention(query, key, value, attention_mask)  # [s, b, np * d]
@@ -237,7 +336,7 @@ class IsoGatedDeltaNet(GatedDeltaNet):
         s, b, _ = qkvzba.shape
         n, dtype = s * b, qkvzba.dtype
         lengths = padding_lengths(attention_mask)
-        seq_rows = _sequences(s, lengths)
+        seq_rows = _sequences(s, lengths, qkvzba.device)
         rows = torch.cat(seq_rows)
         hk, hv = self.num_key_heads // tp, self.num_value_heads // tp
         dk, dv = self.key_head_dim, self.value_head_dim
@@ -252,8 +351,7 @@ class IsoGatedDeltaNet(GatedDeltaNet):
         q = ks["gdn.l2norm"](q.reshape(n, hk, dk)).repeat_interleave(r, dim=1)
         k = ks["gdn.l2norm"](k.reshape(n, hk, dk)).repeat_interleave(r, dim=1)
         v = v.reshape(n, hv, dv).float()
-        lens = [int(t) for t in lengths]
-        o, _ = ks["gdn.core"](q[rows], k[rows], v[rows], g[rows], beta[rows], lens, [None] * len(lens),
+        o, _ = ks["gdn.core"](q[rows], k[rows], v[rows], g[rows], beta[rows], lengths, [None] * len(lengths),
                               torch.is_grad_enabled())
         o = o.new_zeros((n, hv, dv)).index_copy(0, rows, o).to(dtype)
         o = ks["gdn.norm"](o.reshape(n * hv, dv), z.reshape(n * hv, dv), self.out_norm.weight, self.out_norm.eps)
@@ -267,7 +365,7 @@ class IsoMoELayer(MoELayer):
 
     Tokens are exchanged in the expert tensor-and-model-parallel group G (the ranks among which
     Megatron dispatches): every rank all-gathers G's tokens and expert ids, computes its experts
-    (its expert-TP shard: :func:`~isoexec.kernels.moe.cpu.iso_swiglu_partial`, the pik subtree of
+    (its expert-TP shard: :meth:`CpuShards.experts_partial`, the pik subtree of
     ``down_proj``) for the (token, slot) pairs routed to them, and all-gathers these partial outputs;
     each rank then finishes the pik tree of every slot over the owner's expert-TP ranks, rounds it to
     the boundary dtype, and the region ``moe.combine`` sums its own tokens' slots in routing order in
@@ -283,10 +381,10 @@ class IsoMoELayer(MoELayer):
 
     def __init__(self, *args, kernels: KernelSet, **kw):
         super().__init__(*args, **kw)
-        self.kernels = kernels
+        self.kernels, self.shards = kernels, shards(kernels)
         self.g_group = ps.get_expert_tensor_and_model_parallel_group()
         g = self.g_group.size()
-        me = torch.tensor([ps.get_expert_model_parallel_rank(), ps.get_expert_tensor_parallel_rank()])
+        me = torch.tensor([ps.get_expert_model_parallel_rank(), ps.get_expert_tensor_parallel_rank()], device=_device())
         ids = [me]
         if g > 1:
             ids = [torch.empty_like(me) for _ in range(g)]
@@ -295,12 +393,13 @@ class IsoMoELayer(MoELayer):
         table = torch.empty(ps.get_expert_model_parallel_world_size(), self.etp, dtype=torch.long)
         for j, (e, t) in enumerate(i.tolist() for i in ids):
             table[e, t] = j  # (EP rank, expert-TP rank) -> rank in G
-        self.owner = table[torch.arange(self.config.num_moe_experts) // self.num_local_experts]  # [E, etp]
+        owner = table[torch.arange(self.config.num_moe_experts) // self.num_local_experts]  # [E, etp]
+        self.owner = owner.to(_device())
         self.g_rank = dist.get_rank(self.g_group) if g > 1 else 0
 
     def _routed(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """``[n, k, H]`` fp32 expert outputs (rounded to the boundary dtype) of this rank's tokens."""
-        c, g = self.kernels["moe.experts"].constants, self.g_group.size()
+        g = self.g_group.size()
         n, k = ids.shape
         x_all, ids_all = x, ids
         if g > 1:
@@ -308,15 +407,9 @@ class IsoMoELayer(MoELayer):
             parts = [torch.empty_like(ids) for _ in range(g)]
             dist.all_gather(parts, ids.contiguous(), group=self.g_group)
             ids_all = torch.cat(parts)
-        part = x.new_zeros((x_all.shape[0], k, x.shape[1]), dtype=torch.float32)
-        for j, expert in enumerate(self.experts.local_experts):
-            tok, slot = torch.nonzero(ids_all == self.local_expert_indices[j], as_tuple=True)
-            if tok.numel() == 0:
-                continue
-            wg, wu = expert.linear_fc1.weight.chunk(2, dim=0)  # per rank [gate; up]
-            sub = iso_swiglu_partial(x_all[tok], wg, wu, expert.linear_fc2.weight, self.etp,
-                                     c["row_tile"], c["col_tile"], c["leaves"])
-            part = part.index_put((tok, slot), sub)
+        weights = [(*e.linear_fc1.weight.chunk(2, dim=0), e.linear_fc2.weight)  # per rank fc1 = [gate; up]
+                   for e in self.experts.local_experts]
+        part = self.shards.experts_partial(x_all, ids_all, list(self.local_expert_indices), weights, self.etp)
         if g > 1:
             part = gather_from_sequence_parallel_region(part, True, self.g_group)
         mine = part.view(g, -1, k, x.shape[1])[:, self.g_rank * n : (self.g_rank + 1) * n]  # [g, n, k, H]
@@ -326,7 +419,7 @@ class IsoMoELayer(MoELayer):
 
     def _shared(self, hidden_states: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """Region ``mlp.shared_expert`` on TP shards: ``[n, H]`` fp32 for this rank's rows."""
-        c, se = self.kernels["mlp.shared_expert"].constants, self.shared_experts
+        se = self.shared_experts
         fc1, fc2 = se.linear_fc1, se.linear_fc2
         full = hidden_states
         if fc1.sequence_parallel:
@@ -334,10 +427,9 @@ class IsoMoELayer(MoELayer):
         elif fc1.tp_group.size() > 1:
             full = copy_to_tensor_model_parallel_region(full, fc1.tp_group)
         wg, wu = fc1.weight.chunk(2, dim=0)
-        sub = iso_swiglu_partial(full.reshape(-1, x.shape[1]), wg, wu, fc2.weight, fc2.tp_group.size(),
-                                 c["row_tile"], c["col_tile"], c["leaves"])
+        sub = self.shards.swiglu_partial(full.reshape(-1, x.shape[1]), wg, wu, fc2.weight, fc2.tp_group.size())
         s = pik_combine(sub, fc2.tp_group, fc2.sequence_parallel).to(x.dtype).float()
-        return shared_expert_gate(x, se.gate_weight, c["row_tile"], c["col_tile"]) * s
+        return self.shards.shared_gate(x, se.gate_weight) * s
 
     def forward(self, hidden_states, intermediate_tensors=None, padding_mask=None):  # noqa: D102
         ks = self.kernels

@@ -1,8 +1,10 @@
 """One rank of the Megatron trainer: the same call as the other trainers, on a TP/EP/SP layout.
 
 Built after :func:`~isoexec.trainer.megatron.launch.init_parallel` on every rank of the layout, and
-driven identically on every rank (same batch, same calls): it is the object a Ray actor or a test
-worker holds. The model is a Megatron ``GPTModel`` from :func:`~isoexec.trainer.megatron.spec.build_gpt_model`
+driven identically on every rank (same batch, same calls): it is the object a Ray actor, a ``torchrun``
+process or a test worker holds. It runs on :data:`~isoexec.trainer.megatron.compat.DEVICE` (the
+process's GPU where CUDA exists, with the Triton ``isoexec`` set; else the CPU set on the CPU); inputs
+may live anywhere, outputs live on that device. The model is a Megatron ``GPTModel`` from :func:`~isoexec.trainer.megatron.spec.build_gpt_model`
 (kernel set ``native`` or ``isoexec``), wrapped in Megatron's ``DistributedDataParallel`` for its fp32
 ``main_grad`` buffers; weights come from a Hugging Face state dict through
 :mod:`~isoexec.trainer.megatron.convert`.
@@ -55,13 +57,16 @@ class MegatronTrainer:
             been called with it.
         kernel_set: ``"native"`` (Megatron's stock modules) or ``"isoexec"`` (our kernels, pik).
         kernels: an ``isoexec.config.KernelSection`` (defaults if None): the pinned constants of the
-            ``isoexec`` set and the policy temperature of both sets.
+            ``isoexec`` set (built for this process's device) and the policy temperature of both sets;
+            or a :class:`~isoexec.kernels.KernelSet` whose section gives them and which the ``isoexec`` set
+            runs instead (e.g. the Triton set on CPU tensors under ``TRITON_INTERPRET=1``, fp32 only, for
+            checks without a GPU).
         dtype: parameter dtype (``torch.bfloat16`` or ``torch.float32``).
         lr, betas, eps, weight_decay, max_grad_norm: AdamW of :meth:`step`.
 
     Raises:
-        ValueError: unknown kernel set, or heads / experts / vocabulary not divisible by the layout's
-        degrees. ClaimViolation: an ``isoexec`` layout outside the contract's topology claim (checked
+        ValueError: unknown kernel set, a native KernelSet for the ``isoexec`` set, or heads / experts /
+        vocabulary not divisible by the layout's degrees. ClaimViolation: an ``isoexec`` layout outside the contract's topology claim (checked
         before Megatron is imported or any process group is touched).
     """
 
@@ -70,27 +75,29 @@ class MegatronTrainer:
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
                  max_grad_norm: float = 1.0):
         from isoexec.config import KernelSection
+        from isoexec.kernels import KernelSet, build_kernel_set
 
         if kernel_set not in ("native", "isoexec"):
             raise ValueError(f"kernel_set must be 'native' or 'isoexec', got {kernel_set!r}")
+        if kernel_set == "isoexec" and isinstance(kernels, KernelSet) and kernels.mode != "isoexec":
+            raise ValueError(f"kernels is a {kernels.mode!r} kernel set; kernel_set='isoexec' needs an 'isoexec' one")
         self.hf_config, self.layout, self.kernel_set, self.dtype = hf_config, layout.check(), kernel_set, dtype
-        section = kernels if kernels is not None else KernelSection()
+        section = kernels.section if isinstance(kernels, KernelSet) else (kernels or KernelSection())
         self.temperature = float(section.temperature)
         self.kernels = None
         if kernel_set == "isoexec":
-            from isoexec.kernels import build_kernel_set
-
-            self.kernels = build_kernel_set("isoexec", "cpu", section)
+            self.kernels = kernels if isinstance(kernels, KernelSet) else build_kernel_set("isoexec", compat.DEVICE, section)
             check_layout(self.contract(), layout)
         compat.apply()
         self.config = transformer_config(hf_config, layout, dtype)
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
         from isoexec.trainer.megatron.launch import groups
+        from isoexec.trainer.megatron.layers import _device
         from isoexec.trainer.megatron.spec import build_gpt_model
 
-        self.groups = groups()
-        self.model = build_gpt_model(hf_config, self.config, self.kernels)
+        self.groups, self.device = groups(), _device()
+        self.model = build_gpt_model(hf_config, self.config, self.kernels).to(self.device)
         self.model.train()  # no dropout anywhere; train mode only matters for autograd bookkeeping
         self.ddp = DistributedDataParallel(
             config=self.config,
@@ -158,8 +165,8 @@ class MegatronTrainer:
             grad: keep the autograd graph (``trainer_fwd``).
 
         Returns:
-            ``[T, V]`` fp32 on every rank; row t is the distribution of the token after ``input_ids[t]``
-            at the policy temperature.
+            ``[T, V]`` fp32 on every rank (on this trainer's device); row t is the distribution of the
+            token after ``input_ids[t]`` at the policy temperature.
 
         Raises:
             isoexec.model.inputs.InputError: an id outside ``[0, V)``, an empty batch or sequence, or
@@ -175,9 +182,10 @@ class MegatronTrainer:
             lmax = -(-lmax // self.layout.tp) * self.layout.tp
         padded = torch.zeros(len(lengths), lmax, dtype=torch.long)
         for b, (a, n) in enumerate(zip(cu, lengths.tolist())):
-            padded[b, :n] = input_ids[a : a + n]
-        positions = torch.arange(lmax).expand(len(lengths), lmax)
-        mask = compat.causal_padding_mask(lengths, lmax)
+            padded[b, :n] = input_ids[a : a + n].cpu()
+        padded = padded.to(self.device)
+        positions = torch.arange(lmax, device=self.device).expand(len(lengths), lmax)
+        mask = compat.causal_padding_mask(lengths.to(self.device), lmax)
         with torch.set_grad_enabled(grad):
             logits = self.ddp(input_ids=padded, position_ids=positions, attention_mask=mask,
                               runtime_gather_output=True)  # [B, Lmax, V]
@@ -200,7 +208,8 @@ class MegatronTrainer:
         from megatron.core import parallel_state as ps
 
         params = dict(self.model.named_parameters())
-        dense, expert = torch.zeros(1, dtype=torch.float64), torch.zeros(1, dtype=torch.float64)
+        dense = torch.zeros(1, dtype=torch.float64, device=self.device)
+        expert = torch.zeros(1, dtype=torch.float64, device=self.device)
         tp_rank, etp_rank = ps.get_tensor_model_parallel_rank(), ps.get_expert_tensor_parallel_rank()
         for name, g in grads.items():
             p, sq = params[name], (g.double() ** 2).sum()
