@@ -1,8 +1,9 @@
 """A tiny word-level tokenizer for the arithmetic task, built locally with ``tokenizers``.
 
 Vocabulary (ids in this order): ``<pad>`` 0, ``<bos>`` 1, ``<eos>`` 2, ``<unk>`` 3, the ten digits,
-``-``, every word / punctuation token of :mod:`isoexec.rl.task`'s templates, then filler tokens
-``<extra_i>`` up to the next multiple of ``multiple`` (64). The filler makes the tokenizer's vocabulary
+``-``, every word / punctuation token of :mod:`isoexec.rl.task`'s templates and of DAPO-Math-17k's
+instruction (:mod:`isoexec.rl.data`), sorted, then filler tokens ``<extra_i>`` up to the next
+multiple of ``multiple`` (64). The filler makes the tokenizer's vocabulary
 exactly the model's ``vocab_size``, so any id the model samples decodes (vLLM detokenizes every
 sampled id, including ones that no training example ever used).
 
@@ -10,6 +11,11 @@ Pre-tokenization: split on whitespace, punctuation alone, and numbers digit by d
 ``"17 apples."`` is ``["1", "7", "apples", "."]``. Saved in Hugging Face format (``tokenizer.json``,
 ``tokenizer_config.json``, ``special_tokens_map.json``) through ``PreTrainedTokenizerFast`` so that
 transformers and vLLM load it from the checkpoint directory.
+
+Chat template (:data:`CHAT_TEMPLATE`): ``<bos>`` then the messages' contents, no role markup, so
+``apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)`` gives exactly
+:func:`encode_prompt` ``(tok, p)``. Chat-format data (DAPO-Math-17k's ``prompt`` column, SkyRL's
+generator) and plain prompts therefore reach the model as the same tokens.
 """
 
 from __future__ import annotations
@@ -19,11 +25,28 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 
-from isoexec.rl.task import template_words
+from isoexec.rl.data import INSTRUCTION_PREFIX, INSTRUCTION_SUFFIX
+from isoexec.rl.task import template_texts
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 SPECIALS = [PAD, BOS, EOS, UNK]
 DIGITS = [str(i) for i in range(10)]
+CHAT_TEMPLATE = "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+
+
+def pre_tokenizer() -> pre_tokenizers.PreTokenizer:
+    """Whitespace split, punctuation alone, numbers digit by digit."""
+    return pre_tokenizers.Sequence(
+        [pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Punctuation(), pre_tokenizers.Digits(individual_digits=True)]
+    )
+
+
+def template_words() -> list[str]:
+    """Every word / punctuation token of the task's templates and DAPO's instruction (sorted)."""
+    pre = pre_tokenizer()
+    words = {w for text in [*template_texts(), INSTRUCTION_PREFIX, INSTRUCTION_SUFFIX]
+             for w, _ in pre.pre_tokenize_str(text)}
+    return sorted(words)
 
 
 def vocab_list(multiple: int = 64) -> list[str]:
@@ -34,18 +57,17 @@ def vocab_list(multiple: int = 64) -> list[str]:
 
 
 def build_tokenizer(multiple: int = 64) -> PreTrainedTokenizerFast:
-    """Build the task tokenizer (prepends ``<bos>`` when ``add_special_tokens=True``)."""
+    """Build the task tokenizer (prepends ``<bos>`` when ``add_special_tokens=True``; chat template
+    :data:`CHAT_TEMPLATE`)."""
     vocab = {w: i for i, w in enumerate(vocab_list(multiple))}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Punctuation(), pre_tokenizers.Digits(individual_digits=True)]
-    )
+    tok.pre_tokenizer = pre_tokenizer()
     tok.post_processor = processors.TemplateProcessing(
         single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, vocab[BOS])]
     )
     tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with single spaces
     tok.add_special_tokens(SPECIALS)
-    return PreTrainedTokenizerFast(
+    fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token=BOS,
         eos_token=EOS,
@@ -54,6 +76,8 @@ def build_tokenizer(multiple: int = 64) -> PreTrainedTokenizerFast:
         model_max_length=4096,
         padding_side="right",
     )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
 
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:

@@ -32,13 +32,18 @@ rule report_tables:
 
 
 rule report_figures:
-    """logprob_diff, reward and time figures, PNG and PDF."""
+    """logprob_diff, is_ratio, reward and time figures, PNG and PDF."""
     input:
         RL_METRICS,
     output:
         logprob_diff=report(
             f"{RES}/figures/logprob_diff.png",
             caption="../report/logprob_diff.rst",
+            category="Figures",
+        ),
+        is_ratio=report(
+            f"{RES}/figures/is_ratio.png",
+            caption="../report/is_ratio.rst",
             category="Figures",
         ),
         reward=report(
@@ -50,7 +55,8 @@ rule report_figures:
             f"{RES}/figures/time.png", caption="../report/time.rst", category="Figures"
         ),
         pdf=expand(
-            f"{RES}/figures/{{name}}.pdf", name=("logprob_diff", "reward", "time")
+            f"{RES}/figures/{{name}}.pdf",
+            name=("logprob_diff", "is_ratio", "reward", "time"),
         ),
     log:
         f"{LOGS}/report_figures.log",
@@ -71,6 +77,7 @@ rule notebook:
         figures=FIGURES,
         gates=f"{RES}/gates.csv",
         rollout_check=f"{RES}/rollout_check.json",
+        sft=f"{RES}/sft_metrics.json",
     output:
         ipynb=f"{RES}/notebooks/analysis.ipynb",
         html=report(
@@ -86,9 +93,11 @@ rule notebook:
         python=sys.executable,
         exp_dir=lambda wildcards, input: os.path.dirname(input.gates),
         out_dir=lambda wildcards, output: os.path.dirname(output.html),
+        config=CONFIGFILE,
     shell:
         "{params.python} -m ipykernel install --sys-prefix --name python3 > {log} 2>&1"
         " && {params.python} -m papermill --log-output -k python3 -p exp_dir {params.exp_dir}"
+        " -p config {params.config}"
         " {input.notebook} {output.ipynb} >> {log} 2>&1"
         " && {params.python} -m jupyter nbconvert --to html --output-dir {params.out_dir}"
         " {output.ipynb} >> {log} 2>&1"
