@@ -190,6 +190,8 @@ class RLSection(_Section):
     dynamic_sampling: bool = Field(False, description="DAPO: drop groups whose rewards are all equal from the update")
     mini_batches: PositiveInt = Field(1, description="optimizer updates per step (the batch split by groups); >1 makes clipping active")
     max_grad_norm: float = Field(1.0, description="global grad-norm clip (<= 0: none)")
+    warmup_updates: NonNegativeInt = Field(
+        0, description="linear learning-rate warm-up over the first optimizer updates (Adam's moments settle first)")
     weight_decay: NonNegativeFloat = 0.0
 
 

@@ -12,7 +12,8 @@ Each step, in this order (timed with ``time.perf_counter``):
 3. metrics of :mod:`isoexec.rl.metrics` (rollout ``lR`` vs trainer ``lT``, the rollout ratio's
    clip fraction, exposure counts, rewards).
 4. ``time/train``: advantages, then ``rl.mini_batches`` optimizer updates with the DAPO loss whose
-   ratio is ``exp(logp_new - lT)`` (the trainer's own old logprobs; the rollout ratio is a metric).
+   ratio is ``exp(logp_new - lT)`` (the trainer's own old logprobs; the rollout ratio is a metric);
+   the learning rate rises linearly to ``rl.lr`` over the first ``rl.warmup_updates`` updates.
 5. ``time/weight_sync``: the trainer's compute-dtype weights (bf16 rounded from the fp32 masters)
    go to the engine (isoexec: contract handshake, checksums).
 
@@ -128,6 +129,7 @@ def rl_step(policy: Policy, engine: Engine, optimizer: MasterAdamW, tok, problem
         loss, stats = grpo.policy_loss(new, old, adv[torch.tensor(seqs)][sub.seq_index], rl.clip_low, rl.clip_high)
         optimizer.zero_grad()
         loss.backward()
+        optimizer.set_lr(rl.lr * min(1.0, (optimizer.updates + 1) / max(1, rl.warmup_updates)))
         norms.append(optimizer.step())
         losses.append(float(loss.detach()))
         clip_fracs.append(stats["clip_frac"])
