@@ -145,22 +145,28 @@ class GatesSection(_Section):
 
 
 class TaskSection(_Section):
-    """Procedurally generated arithmetic word problems with integer answers."""
+    """The RL data: the embedded arithmetic task (:mod:`isoexec.rl.task`), or a parquet file in
+    DAPO-Math-17k's schema (``data_path``); both reach the loop through :mod:`isoexec.rl.data`."""
 
-    max_operand: PositiveInt = 20
+    max_operand: PositiveInt = Field(5, description="operands are drawn from [1, max_operand]")
+    max_total: PositiveInt = Field(9, description="every running total stays in [0, max_total]")
+    num_operands: int = Field(5, ge=2, le=8, description="operands per problem (num_operands - 1 scratchpad steps)")
     num_train_prompts: PositiveInt = 2000
     num_eval_prompts: PositiveInt = 64
     seed: int = 0
+    data_path: str | None = Field(
+        None, description="RL train prompts from this parquet (DAPO-Math-17k schema) instead of the embedded task")
 
 
 class SFTSection(_Section):
     steps: NonNegativeInt = 200
     batch_size: PositiveInt = 32
     lr: PositiveFloat = 3e-3
-    target_accuracy: tuple[float, float] = (0.10, 0.60)
+    target_accuracy: tuple[float, float] = Field(
+        (0.10, 0.60), description="band of the expected eval accuracy (isoexec.rl.sft) at which SFT stops")
     min_steps: NonNegativeInt = Field(30, description="no early stop before this many steps")
-    eval_every: PositiveInt = Field(10, description="measure eval accuracy every this many steps (and at the end)")
-    eval_samples: PositiveInt = Field(4, description="sampled responses per eval prompt (at rl.temperature)")
+    eval_every: PositiveInt = Field(10, description="measure the expected eval accuracy every this many steps (and at the end)")
+    eval_samples: PositiveInt = Field(4, description="sampled responses per eval prompt for the final sampled accuracy")
     warmup_steps: NonNegativeInt = Field(10, description="linear learning-rate warm-up")
     seed: int = Field(0, description="batch order of the SFT data and the eval sampling seed")
 
@@ -200,6 +206,8 @@ class RLSection(_Section):
                                    "has prompts_per_step informative groups (SkyRL driver only)")
     mini_batches: PositiveInt = Field(1, description="optimizer updates per step (the batch split by groups); >1 makes clipping active")
     max_grad_norm: float = Field(1.0, description="global grad-norm clip (<= 0: none)")
+    warmup_updates: NonNegativeInt = Field(
+        0, description="linear learning-rate warm-up over the first optimizer updates (Adam's moments settle first)")
     weight_decay: NonNegativeFloat = 0.0
 
 
@@ -361,6 +369,8 @@ class ExperimentConfig(_Section):
         if self.rl.driver == "loop" and self.rl.dynamic_sampling:
             problems.append("rl.dynamic_sampling=true resamples prompts until the step is full: only the SkyRL "
                             "driver runs it (rl.driver: skyrl)")
+        if self.task.max_total < self.task.max_operand:
+            problems.append(f"task.max_total={self.task.max_total} < task.max_operand={self.task.max_operand}")
         if self.gates.max_len < self.gates.min_len:
             problems.append(f"gates.max_len={self.gates.max_len} < gates.min_len={self.gates.min_len}")
         # Settings one arm of a paired run cannot honour (README, "What isoexec mode refuses"); the

@@ -23,7 +23,7 @@ def _zero_row_points(fig, panel: int, mode_row: int) -> list[float]:
 def test_all_figures_written_as_png_and_pdf(tmp_path):
     exp = write_synthetic_runs(tmp_path / "results" / "synthetic")
     paths = figures.write_figures(exp)
-    for stem in ("logprob_diff", "reward", "time"):
+    for stem in ("logprob_diff", "is_ratio", "reward", "time"):
         png, pdf = exp / "figures" / f"{stem}.png", exp / "figures" / f"{stem}.pdf"
         assert png in paths and pdf in paths
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -57,3 +57,20 @@ def test_time_figure_annotates_paired_overhead(tmp_path):
     labels = [t.get_text() for t in fig.axes[0].texts]
     assert "+22.5%" in labels  # the paired per-step mean, as in tables.summary overhead_pct
     assert fig.axes[0].get_ylabel() == "seconds per RL step"
+
+
+def test_ratio_figure_shows_isoexec_at_exactly_one_and_native_spread(tmp_path):
+    exp = write_synthetic_runs(tmp_path / "results" / "synthetic")
+    fig = figures.ratio_figure(load_metrics(exp), "synthetic")
+    band_ax = fig.axes[0]
+    native_label, iso_label = [t.get_text() for t in band_ax.get_legend().get_texts()]
+    assert iso_label == "isoexec: min..max 1..1"
+    lo, hi = (float(x) for x in native_label.removeprefix("native: min..max ").split(".."))
+    assert 1.0 <= lo < hi  # synthetic native diffs are |d| > 0: every ratio above 1
+    iso_mean = band_ax.get_lines()[1].get_ydata()
+    assert np.all(np.asarray(iso_mean) == 1.0)
+    # k3 KL panel: isoexec exactly 0 at every step, on its own row; native never
+    zax = fig.axes[2]
+    rows = {int(np.asarray(line.get_ydata())[0]): list(line.get_xdata()) for line in zax.get_lines() if len(line.get_ydata())}
+    assert rows == {1: [0, 1, 2]}
+    assert fig.axes[3].get_ylabel() == "fraction of response tokens"

@@ -62,6 +62,14 @@ def write_synthetic_runs(exp_dir: Path, modes=MODES, seeds=SEEDS, steps=STEPS) -
                         "is_ratio_mean": float(np.exp(d).mean()),
                         "is_ratio_min": float(np.exp(d).min()),
                         "is_ratio_max": float(np.exp(d).max()),
+                        "is_ratio_clip_frac": float(((np.exp(d) < 0.8) | (np.exp(d) > 1.28)).mean()),
+                        "seqs": 8,
+                        "prompt_tokens": 8 * 70,
+                        "seqs_cross_chunk": 6 + (step == 1) * (mode == "isoexec"),
+                        "seqs_cross_chunk_prefill": 6,
+                        "seqs_cross_chunk_decode": (step == 1) * (mode == "isoexec"),
+                        "seqs_multi_kv_block": 8,
+                        "seq_len_max": 100 + 10 * step,
                         "full_vocab_kl": 0.0 if mode == "isoexec" else 1e-3,
                         "reward_mean": 0.1 * (step + 1) + 0.2 * seed,
                         "pass_at_k": 0.2 * (step + 1),
@@ -132,10 +140,30 @@ def test_overhead_is_paired_per_step_within_seed_then_averaged(exp_dir):
     assert math.isnan(_row(summary, "native")["overhead_pct"])
 
 
-def test_reward_first_and_last_are_means_over_seeds(exp_dir):
+def test_reward_first_and_last_windows_are_means_over_steps_then_seeds(exp_dir, monkeypatch):
     native = _row(tables.summarize(load_metrics(exp_dir)), "native")
-    assert native["reward_first"] == pytest.approx((0.1 + 0.3) / 2)
-    assert native["reward_last"] == pytest.approx((0.3 + 0.5) / 2)
+    # 3 steps < the 10-step window: both ends are the whole run (0.2 for seed 0, 0.4 for seed 1)
+    assert native["reward_first10"] == pytest.approx(0.3) and native["reward_last10"] == pytest.approx(0.3)
+    monkeypatch.setattr(tables, "REWARD_WINDOW", 2)
+    native = _row(tables.summarize(load_metrics(exp_dir)), "native")
+    assert native["reward_first10"] == pytest.approx(((0.1 + 0.2) / 2 + (0.3 + 0.4) / 2) / 2)
+    assert native["reward_last10"] == pytest.approx(((0.2 + 0.3) / 2 + (0.4 + 0.5) / 2) / 2)
+
+
+def test_exposure_and_ratio_columns_sit_beside_mismatch_count(exp_dir):
+    summary = tables.summarize(load_metrics(exp_dir))
+    cols = list(summary.columns)
+    native, iso = _row(summary, "native"), _row(summary, "isoexec")
+    assert native["seqs"] == 2 * 3 * 8 and native["seqs_cross_chunk"] == 2 * 3 * 6
+    assert native["cross_chunk_frac_min"] == pytest.approx(6 / 8)
+    assert native["seq_len_max"] == 120 and native["prompt_tokens"] == 2 * 3 * 8 * 70
+    assert iso["is_ratio_min"] == iso["is_ratio_max"] == 1.0 and iso["is_ratio_clip_frac"] == 0.0
+    assert native["is_ratio_max"] > 1.0
+    assert cols[cols.index("mismatch_count"):cols.index("seq_len_max") + 1] == [
+        "mismatch_count", "tokens", "mismatch_rate", "prompt_tokens", "seqs", "seqs_cross_chunk",
+        "cross_chunk_frac_min", "seqs_multi_kv_block", "seq_len_max"]
+    old = load_metrics(exp_dir).drop(columns=["seqs_cross_chunk"])  # metrics from before the counters
+    assert math.isnan(_row(tables.summarize(old), "native")["seqs_cross_chunk"])
 
 
 def test_per_seed_table_pairs_within_its_seed(exp_dir):

@@ -8,7 +8,7 @@ import torch
 from isoexec.config import ExperimentConfig, ModelSection, RLSection, SFTSection, TaskSection
 from isoexec.engines.local import LocalEngine
 from isoexec.rl.loop import run_rl, step_prompts
-from isoexec.rl.task import make_splits
+from isoexec.rl.data import load_splits
 from isoexec.rl.tokenizer import load_tokenizer
 from isoexec.rl.sft import init_checkpoint
 from isoexec.trainer.hf_policy import HFPolicy
@@ -16,7 +16,9 @@ from isoexec.trainer.hf_policy import HFPolicy
 KEYS = {"step", "mode", "seed", "tokens", "mismatch_count", "mismatch_rate", "logprob_abs_diff_mean",
         "logprob_abs_diff_std", "logprob_abs_diff_max", "k3_kl", "is_ratio_mean", "is_ratio_min", "is_ratio_max",
         "full_vocab_kl", "reward_mean", "pass_at_k", "response_length_mean", "entropy_mean", "grad_norm", "loss",
-        "time/generation", "time/score", "time/train", "time/weight_sync", "time/step"}
+        "time/generation", "time/score", "time/train", "time/weight_sync", "time/step", "is_ratio_std",
+        "is_ratio_clip_frac", "seqs", "prompt_tokens", "seq_len_max", "seqs_cross_chunk", "seqs_cross_chunk_prefill",
+        "seqs_cross_chunk_decode", "seqs_multi_kv_block"}
 
 
 @pytest.fixture(scope="module")
@@ -37,10 +39,10 @@ def ckpt(cfg, tmp_path_factory):
 
 
 def test_data_order_depends_on_seed_and_step_only(cfg):
-    train, _ = make_splits(cfg.task)
+    train, _ = load_splits(cfg.task)
     assert step_prompts(train, 0, 3, 2) == step_prompts(train, 0, 3, 2)
     assert step_prompts(train, 0, 3, 2) != step_prompts(train, 1, 3, 2)
-    seen = [p.prompt for s in range(32) for p in step_prompts(train, 0, s, 2)]
+    seen = [p.index for s in range(32) for p in step_prompts(train, 0, s, 2)]
     assert len(set(seen)) == 64  # one epoch covers the split once
 
 
@@ -59,6 +61,9 @@ def test_two_rl_steps_with_a_local_engine_write_every_metric(cfg, ckpt, tmp_path
         assert r["tokens"] > 0 and 0 <= r["mismatch_count"] <= r["tokens"]
         assert r["full_vocab_kl"] is not None and r["full_vocab_kl"] >= -1e-9
         assert 0 <= r["reward_mean"] <= 1 and 0 <= r["pass_at_k"] <= 1
+        # DAPO-wrapped prompts are longer than the chunk size C=64: every sequence crosses a chunk
+        assert r["seqs"] == 8 and r["seqs_cross_chunk"] == r["seqs_cross_chunk_prefill"] == 8
+        assert r["prompt_tokens"] > 8 * 64 and r["seq_len_max"] > 64
     prov = json.loads((out / "provenance.json").read_text())
     assert prov["command"] == "test" and prov["run"]["mode"] == "native"
     # the weight sync reached the engine: its weights are now the trainer's (bf16 of the masters)

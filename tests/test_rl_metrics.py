@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from isoexec.rl.metrics import (
-    MetricsLog, entropy_mean, full_vocab_kl, logprob_diff_metrics, mean_pass_at_k, pass_at_k,
+    MetricsLog, entropy_mean, exposure_metrics, full_vocab_kl, is_ratio_clip_frac, logprob_diff_metrics,
+    mean_pass_at_k, pass_at_k,
 )
 
 
@@ -105,3 +106,40 @@ def test_metrics_log_rewrites_whole_lines_and_writes_nan_as_null(tmp_path):
     assert not list(path.parent.glob(".*tmp"))  # no temp file left behind
     MetricsLog(path)  # a new run starts the file afresh
     assert path.read_text() == ""
+
+
+def test_rollout_ratio_clip_fraction_counts_tokens_outside_the_clip_range():
+    lR = torch.zeros(4, dtype=torch.float32)
+    lT = torch.tensor([0.0, math.log(1.27), math.log(1.29), math.log(0.79)], dtype=torch.float32)
+    assert is_ratio_clip_frac(lR, lT, 0.2, 0.28) == 0.5  # 1.29 > 1.28 and 0.79 < 0.8
+    assert is_ratio_clip_frac(lR, lR.clone(), 0.2, 0.28) == 0.0
+    assert math.isnan(is_ratio_clip_frac(lR[:0], lR[:0], 0.2, 0.28))
+    assert logprob_diff_metrics(lR, lT)["is_ratio_std"] > 0
+
+
+@pytest.mark.parametrize("p,r,prefill,decode,multi_block", [
+    (64, 1, False, False, False),   # positions 0..63: one chunk, one KV block
+    (65, 1, True, False, True),     # the prefill spans positions 63 and 64
+    (10, 55, False, True, False),   # decode feeds 10..63 and completes chunk 0: a resync; last position 63
+    (10, 54, False, False, False),  # decode feeds 10..62: chunk 0 still open
+    (63, 2, False, True, False),    # decode feeds position 63 only: completes chunk 0
+    (64, 2, False, False, True),    # prefill fills chunk 0 exactly; decode feeds 64: reads block 1
+    (100, 40, True, True, True),    # prefill crosses 64, decode feeds 100..138 and completes chunk 1 (127)
+])
+def test_exposure_counts_chunk_crossings_in_prefill_and_decode(p, r, prefill, decode, multi_block):
+    m = exposure_metrics([p], [r], chunk_size=64, kv_block=64)
+    assert m["seqs_cross_chunk_prefill"] == prefill and m["seqs_cross_chunk_decode"] == decode
+    assert m["seqs_cross_chunk"] == (prefill or decode)
+    assert m["seqs_multi_kv_block"] == multi_block
+    assert m["seqs"] == 1 and m["prompt_tokens"] == p and m["seq_len_max"] == p + r
+
+
+def test_exposure_sums_over_a_step_and_refuses_bad_lengths():
+    m = exposure_metrics([80, 20, 30], [5, 50, 3], chunk_size=64, kv_block=64)
+    assert (m["seqs"], m["prompt_tokens"], m["seq_len_max"]) == (3, 130, 85)
+    assert (m["seqs_cross_chunk"], m["seqs_cross_chunk_prefill"], m["seqs_cross_chunk_decode"]) == (2, 1, 1)
+    assert m["seqs_multi_kv_block"] == 2
+    with pytest.raises(ValueError, match="3 prompt lengths but 2"):
+        exposure_metrics([1, 2, 3], [1, 2], 64, 64)
+    with pytest.raises(ValueError, match=">= 1"):
+        exposure_metrics([5], [0], 64, 64)

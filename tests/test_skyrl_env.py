@@ -1,4 +1,5 @@
-"""The arithmetic task as a skyrl-gym env, and its DAPO-Math-schema data through SkyRL's PromptDataset."""
+"""The task as a skyrl-gym env (DAPO-Math's rule, the loop's reward), and its DAPO-Math-schema data through
+SkyRL's PromptDataset."""
 
 import pytest
 
@@ -7,10 +8,11 @@ pytest.importorskip("skyrl_gym", reason="the skyrl extra is not installed")
 import skyrl_gym  # noqa: E402
 
 from isoexec.config import TaskSection  # noqa: E402
+from isoexec.rl.data import prompt_token_ids, load_splits  # noqa: E402
 from isoexec.rl.skyrl.env import ENV_ID, register, train_rows, write_train_data  # noqa: E402
-from isoexec.rl.tokenizer import build_tokenizer, encode_prompt  # noqa: E402
+from isoexec.rl.tokenizer import build_tokenizer  # noqa: E402
 
-TASK = TaskSection(max_operand=9, num_train_prompts=16, num_eval_prompts=4)
+TASK = TaskSection(max_operand=5, max_total=9, num_operands=3, num_train_prompts=16, num_eval_prompts=4)
 
 
 def _env(answer):
@@ -19,20 +21,22 @@ def _env(answer):
 
 
 @pytest.mark.parametrize("text,reward", [
-    ("1 2 <eos>", 1.0),       # the integer, then EOS
-    ("1 2", 0.0),             # no EOS: ran out of tokens
-    ("1 3 <eos>", 0.0),       # wrong
-    ("<pad> 1 2 <eos>", 0.0),  # a stray special token is malformed, as in the token-level rule
-    ("0 1 2 <eos>", 0.0),     # leading zero
+    ("7 + 5 = 1 2 . Answer : 1 2 <eos>", 1.0),  # the scratchpad, then the answer after "Answer :"
+    ("Answer : 1 2", 1.0),                      # no EOS: the rule reads to the end
+    ("7 + 5 = 1 3 . Answer : 1 3 <eos>", 0.0),  # wrong
+    ("1 2 <eos>", 0.0),                         # no "Answer :": DAPO's rule finds no answer
+    ("Answer : 1 2 . Answer : 3 <eos>", 0.0),   # no newline: everything after the first "Answer :" is the answer
 ])
-def test_env_reward_is_the_task_rule(text, reward):
-    assert _env(12).step(text)["reward"] == reward
+def test_env_reward_is_dapo_maths_rule_as_in_the_loop(text, reward):
+    from isoexec.rl.reward import reward as loop_reward
+
+    assert _env(12).step(text)["reward"] == reward == loop_reward(text, "12")
 
 
-def test_row_without_integer_ground_truth_is_refused():
+def test_row_without_ground_truth_is_refused():
     register()
     with pytest.raises(ValueError, match="reward_model.ground_truth"):
-        skyrl_gym.make(ENV_ID, env_config={}, extras={"reward_model": {"ground_truth": "twelve"}})
+        skyrl_gym.make(ENV_ID, env_config={}, extras={"reward_model": {"ground_truth": ""}})
 
 
 def test_dapo_schema_data_loads_through_skyrl_prompt_dataset(tmp_path):
@@ -43,11 +47,11 @@ def test_dapo_schema_data_loads_through_skyrl_prompt_dataset(tmp_path):
 
     tok = build_tokenizer()
     path = write_train_data(TASK, tmp_path / "train.parquet")
-    ds = PromptDataset(datasets=[str(path)], tokenizer=tok, max_prompt_length=64, num_workers=1)
+    ds = PromptDataset(datasets=[str(path)], tokenizer=tok, max_prompt_length=512, num_workers=1)
     rows = train_rows(TASK)
     assert len(ds) == len(rows) == TASK.num_train_prompts
     messages, env_class, extras, _ = ds[3]
     assert env_class == ENV_ID and extras["data_source"] == rows[3]["data_source"]
     assert extras["reward_model"]["ground_truth"] == rows[3]["reward_model"]["ground_truth"]
     ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
-    assert ids == encode_prompt(tok, messages[0]["content"])  # chat format reaches the model as plain prompts do
+    assert ids == prompt_token_ids(tok, load_splits(TASK)[0][3])  # SkyRL's prompt is the loop's prompt

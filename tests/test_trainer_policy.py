@@ -96,3 +96,19 @@ def test_native_trainer_refuses_empty_inputs(ckpt, ids, cu):
     pol = HFPolicy.from_pretrained(ckpt)
     with pytest.raises(InputError, match="^empty input: "):
         pol.trainer_logprobs(torch.tensor(ids, dtype=torch.long), torch.tensor(cu), grad=False)
+
+
+def test_master_adamw_set_lr_scales_the_next_updates_and_counts_them():
+    p = torch.nn.Parameter(torch.zeros(2))
+    opt = MasterAdamW([("w", p)], lr=1.0, max_grad_norm=0.0)
+    opt.set_lr(0.0)
+    p.grad = torch.ones(2)
+    opt.step()
+    assert torch.equal(p.detach(), torch.zeros(2)) and opt.updates == 1  # lr 0: no move
+    opt.set_lr(1e-2)
+    p.grad = torch.ones(2)
+    opt.step()
+    assert torch.allclose(p.detach(), torch.full((2,), -1e-2), atol=1e-4) and opt.updates == 2
+    p.grad = torch.full((2,), float("nan"))
+    opt.step()
+    assert opt.updates == 2  # a skipped (non-finite) update is not counted

@@ -37,6 +37,10 @@ print("fake isoexec", *argv)
 if argv[:2] in (["rl", "init-model"], ["rl", "sft"]):
     Path(opt["--out"]).mkdir(parents=True)
     (Path(opt["--out"]) / "model.safetensors").write_text("weights")
+    sft = {{"steps": 1, "loss": 1.0, "expected_accuracy": 0.2, "accuracy": 0.25, "greedy_accuracy": 0.5,
+           "target_accuracy": [0.1, 0.6], "in_band": True, "time_s": 1.0,
+           "history": [{{"step": 1, "loss": 1.0, "expected_accuracy": 0.2}}]}}
+    (Path(opt["--out"]) / "sft_metrics.json").write_text(json.dumps(sft))
 elif argv[0] == "gates":
     (res / "contract.json").write_text(json.dumps({{"numerical_policy": "ab" * 32}}))
     (res / "gates.csv").write_text("region,case_a,case_b,mode,bitwise_equal\\nlm_head,trainer_score,engine_decode,isoexec,True\\n")

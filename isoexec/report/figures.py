@@ -4,9 +4,13 @@
   seeds with a min-max band. The y axis is logarithmic, so exact zeros cannot sit on it: they are
   drawn in a separate row under it, labelled ``= 0 (bitwise)``, one marker per step (filled: every
   seed is exactly 0; hollow: some seeds are). Nothing is dropped or clipped silently.
+- ``figures/is_ratio``: the effect of the mismatch on training, beside ``logprob_diff``: per step, the
+  spread of the importance ratio ``exp(lT - lR)`` (band from the smallest to the largest token ratio
+  over seeds, line = mean ratio), the k3 KL(rollout || trainer) (log axis, exact zeros on their own
+  row) and the share of tokens whose ratio lies outside the loss's clip range.
 - ``figures/reward``: mean reward (accuracy) and pass@k per step, mean over seeds with a min-max band.
-- ``figures/time``: seconds per step of time/generation, /train, /weight_sync, /step per mode (mean
-  over seeds and steps, error bar = std over steps), annotated with the paired per-step overhead.
+- ``figures/time``: seconds per step of time/generation, /score, /train, /weight_sync, /step per mode
+  (mean over seeds and steps, error bar = std over steps), annotated with the paired per-step overhead.
 
 Figures are built on ``matplotlib.figure.Figure`` (no pyplot state, Agg canvas) and written
 atomically.
@@ -66,7 +70,8 @@ def save_figure(fig: Figure, out_dir: Path, stem: str) -> list[Path]:
 # --------------------------------------------------------------------------------------------------
 
 
-def _diff_panel(fig: Figure, spec, df: pd.DataFrame, key: str, title: str) -> None:
+def _diff_panel(fig: Figure, spec, df: pd.DataFrame, key: str, title: str,
+                ylabel: str = "|logprob diff| (nats)") -> None:
     """A log-scale axis for the positive values over a '= 0 (bitwise)' row for the exact zeros."""
     sub = spec.subgridspec(2, 1, height_ratios=[5, 1], hspace=0.05)
     ax = fig.add_subplot(sub[0])
@@ -102,7 +107,7 @@ def _diff_panel(fig: Figure, spec, df: pd.DataFrame, key: str, title: str) -> No
         handles.append(Line2D([], [], color=c, marker="o", ms=4, label=label))
     ax.set_yscale("log")
     ax.set_title(title)
-    ax.set_ylabel("|logprob diff| (nats)")
+    ax.set_ylabel(ylabel)
     ax.grid(True, which="major", alpha=0.3)
     ax.tick_params(labelbottom=False)
     if not len(positive):
@@ -136,6 +141,58 @@ def logprob_diff_figure(df: pd.DataFrame, exp: str) -> Figure:
             va="top",
             fontsize=8,
         )
+    return fig
+
+
+# --------------------------------------------------------------------------------------------------
+# importance ratio
+# --------------------------------------------------------------------------------------------------
+
+
+def ratio_figure(df: pd.DataFrame, exp: str) -> Figure:
+    """Per step and mode: the importance ratio's spread, the k3 KL and the ratio's clip fraction."""
+    has_clip = "is_ratio_clip_frac" in df and df["is_ratio_clip_frac"].notna().any()
+    fig = Figure(figsize=(5.0 * (3 if has_clip else 2), 4.2), layout="constrained")
+    with _rc():
+        gs = fig.add_gridspec(1, 3 if has_clip else 2)
+        ax = fig.add_subplot(gs[0])
+        lo = df.groupby(["mode", "step"])["is_ratio_min"].min()
+        hi = df.groupby(["mode", "step"])["is_ratio_max"].max()
+        mean = df.groupby(["mode", "step"])["is_ratio_mean"].mean()
+        for i, mode in enumerate(_modes(df)):
+            c = _color(mode, i)
+            steps = mean.loc[mode].index.to_numpy()
+            ax.fill_between(steps, lo.loc[mode].to_numpy(), hi.loc[mode].to_numpy(), color=c, alpha=0.25, lw=0)
+            ax.plot(steps, mean.loc[mode].to_numpy(), color=c, marker="o", ms=3,
+                    label=f"{mode}: min..max {lo.loc[mode].min():.6g}..{hi.loc[mode].max():.6g}")
+        ax.axhline(1.0, color="black", lw=0.8, ls=":")
+        ax.set_title("importance ratio exp(lT - lR) per step")
+        ax.set_ylabel("pi_trainer / mu_rollout per token")
+        ax.set_xlabel("RL step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(True, alpha=0.3)
+        ax.legend(loc="upper left")
+        _diff_panel(fig, gs[1], df, "k3_kl", "k3 KL(rollout || trainer) per step", ylabel="k3 KL (nats)")
+        if has_clip:
+            cax = fig.add_subplot(gs[2])
+            stats = per_step_over_seeds(df, "is_ratio_clip_frac")
+            for i, mode in enumerate(_modes(df)):
+                s = stats[stats["mode"] == mode].sort_values("step")
+                c = _color(mode, i)
+                cax.plot(s["step"], s["mean"], color=c, marker="o", ms=3, label=mode)
+                if int(s["count"].max()) > 1:
+                    cax.fill_between(s["step"], s["min"], s["max"], color=c, alpha=0.2, lw=0)
+            cax.set_title("tokens whose ratio is outside the clip range")
+            cax.set_ylabel("fraction of response tokens")
+            cax.set_xlabel("RL step")
+            cax.xaxis.set_major_locator(MaxNLocator(integer=True))
+            cax.grid(True, alpha=0.3)
+            cax.legend(loc="best")
+        n = int(df.groupby("mode")["seed"].nunique().max())
+        fig.suptitle(f"Effect of the mismatch on the policy-gradient ratio ({exp})")
+        fig.text(0.5, -0.02, f"Band (left): smallest to largest token ratio over {n} seed(s); line: mean ratio. "
+                 "Middle and right: mean over seeds, band min..max over seeds; exact zeros of the KL in the "
+                 "'= 0' row.", ha="center", va="top", fontsize=8)
     return fig
 
 
@@ -229,12 +286,13 @@ def _rc():
 def write_figures(
     exp_dir: str | Path, modes: Sequence[str] | None = None, seeds: Sequence[int] | None = None
 ) -> list[Path]:
-    """Write ``<exp_dir>/figures/{logprob_diff,reward,time}.{png,pdf}`` from the RL metrics."""
+    """Write ``<exp_dir>/figures/{logprob_diff,is_ratio,reward,time}.{png,pdf}`` from the RL metrics."""
     exp_dir = Path(exp_dir)
     df = load_metrics(exp_dir, modes, seeds)
     out = exp_dir / "figures"
     exp = exp_dir.name
     paths = []
-    for stem, build in (("logprob_diff", logprob_diff_figure), ("reward", reward_figure), ("time", time_figure)):
+    for stem, build in (("logprob_diff", logprob_diff_figure), ("is_ratio", ratio_figure), ("reward", reward_figure),
+                        ("time", time_figure)):
         paths += save_figure(build(df, exp), out, stem)
     return paths

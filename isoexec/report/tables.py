@@ -13,17 +13,27 @@ logprob_abs_diff_max           largest |lT - lR| seen in any step
 mismatch_count                 tokens whose fp32 logprob bits differ (sum)
 tokens                         token exposure N (sum)
 mismatch_rate                  mismatch_count / tokens
+prompt_tokens                  prompt tokens of every sequence (sum)
+seqs                           sequences (sum)
+seqs_cross_chunk               sequences crossing a GDN chunk boundary in prefill or decode (sum)
+cross_chunk_frac_min           the smallest per-step share seqs_cross_chunk / seqs
+seqs_multi_kv_block            sequences whose attention reads more than one KV block (sum)
+seq_len_max                    the longest sequence (prompt + response tokens)
 k3_kl                          mean of exp(d) - d - 1 (token-weighted)
-time_generation_s, ...         mean seconds per step of time/generation, /train, /weight_sync, /step,
-                               without each run's first step (engine start-up and warm-up)
+is_ratio_min, is_ratio_max     extremes of exp(d) = pi_trainer / mu_rollout over all tokens
+is_ratio_clip_frac             share of tokens with exp(d) outside the loss's clip range (token-weighted)
+time_generation_s, ...         mean seconds per step of time/generation, /score, /train, /weight_sync,
+                               /step, without each run's first step (engine start-up and warm-up)
 overhead_generation_pct, ...   100 * (t_mode / t_native - 1), computed per step pairwise within the
                                same seed, then averaged; empty for the native row
-reward_first, reward_last      reward_mean at each seed's first / last step, averaged over seeds
+reward_first10, reward_last10  mean reward_mean over each seed's first / last 10 steps (fewer when
+                               the run is shorter), averaged over seeds
 n_seeds, n_steps               seeds and distinct steps aggregated
 =============================  =======================================================================
 
 ``per_seed`` has the same columns with one row per (mode, seed). Exact zeros stay exact: a mode whose
-every diff is 0.0 gets 0.0 (not 1e-30, not NaN) in every diff column.
+every diff is 0.0 gets 0.0 (not 1e-30, not NaN) in every diff column. Columns whose per-step key a
+run does not record (metrics written before the key existed) are empty.
 
 Files (under ``<exp_dir>/tables/``, written atomically): ``summary.csv`` (full precision) with
 ``summary.provenance.json`` beside it, ``summary.md`` and ``summary.tex`` (formatted like the blog,
@@ -53,6 +63,7 @@ MODE_ORDER = ("native", "isoexec")
 # (metrics key, table column, overhead column) for the timing columns.
 TIME_KEYS: tuple[tuple[str, str, str], ...] = (
     ("time/generation", "time_generation_s", "overhead_generation_pct"),
+    ("time/score", "time_score_s", "overhead_score_pct"),
     ("time/train", "time_train_s", "overhead_train_pct"),
     ("time/weight_sync", "time_weight_sync_s", "overhead_weight_sync_pct"),
     ("time/step", "time_step_s", "overhead_pct"),
@@ -66,17 +77,28 @@ COLUMNS: tuple[str, ...] = (
     "mismatch_count",
     "tokens",
     "mismatch_rate",
+    "prompt_tokens",
+    "seqs",
+    "seqs_cross_chunk",
+    "cross_chunk_frac_min",
+    "seqs_multi_kv_block",
+    "seq_len_max",
     "k3_kl",
+    "is_ratio_min",
+    "is_ratio_max",
+    "is_ratio_clip_frac",
     "time_generation_s",
+    "time_score_s",
     "time_train_s",
     "time_weight_sync_s",
     "time_step_s",
     "overhead_generation_pct",
+    "overhead_score_pct",
     "overhead_train_pct",
     "overhead_weight_sync_pct",
     "overhead_pct",
-    "reward_first",
-    "reward_last",
+    "reward_first10",
+    "reward_last10",
     "n_seeds",
     "n_steps",
 )
@@ -88,7 +110,9 @@ SCIENTIFIC = {
     "mismatch_rate",
     "k3_kl",
 }
-INTEGER = {"mismatch_count", "tokens", "n_seeds", "n_steps", "seed"}
+INTEGER = {"mismatch_count", "tokens", "prompt_tokens", "seqs", "seqs_cross_chunk", "seqs_multi_kv_block",
+           "seq_len_max", "n_seeds", "n_steps", "seed"}
+REWARD_WINDOW = 10  # steps averaged at each end of a run for reward_first10 / reward_last10
 
 
 def mode_sort_key(mode: str) -> tuple[int, str]:
@@ -120,11 +144,24 @@ def timed_steps(df: pd.DataFrame) -> pd.DataFrame:
     return df[(df["step"] != first) | (n == 1)]
 
 
+def _optional(g: pd.DataFrame, key: str, how: str) -> float:
+    """``how`` (sum, min, max) of an optional per-step key; NaN when some row lacks it."""
+    if key not in g or g[key].isna().any():
+        return math.nan
+    return float(getattr(g[key], how)())
+
+
+def _reward_window(g: pd.DataFrame, last: bool) -> float:
+    """Mean over seeds of each seed's mean reward over its first (or last) ``REWARD_WINDOW`` steps."""
+    per_seed = g.sort_values("step").groupby("seed")["reward_mean"]
+    ends = per_seed.apply(lambda s: s.tail(REWARD_WINDOW).mean() if last else s.head(REWARD_WINDOW).mean())
+    return float(ends.mean())
+
+
 def _aggregate(g: pd.DataFrame) -> dict:
     """Every non-overhead column for one group of per-step rows (one mode, one or more seeds)."""
-    first = g.loc[g.groupby("seed")["step"].idxmin()]
-    last = g.loc[g.groupby("seed")["step"].idxmax()]
     tokens = g["tokens"].astype(float)
+    frac = g["seqs_cross_chunk"] / g["seqs"] if {"seqs_cross_chunk", "seqs"} <= set(g) else pd.Series([math.nan])
     row = {
         "logprob_abs_diff_mean": _token_weighted_mean(g["logprob_abs_diff_mean"], tokens),
         "logprob_abs_diff_std": _pooled_std(g["logprob_abs_diff_mean"], g["logprob_abs_diff_std"], tokens),
@@ -133,9 +170,19 @@ def _aggregate(g: pd.DataFrame) -> dict:
         "mismatch_count": int(g["mismatch_count"].sum()),
         "tokens": int(g["tokens"].sum()),
         "mismatch_rate": float(g["mismatch_count"].sum() / tokens.sum()) if tokens.sum() > 0 else math.nan,
+        "prompt_tokens": _optional(g, "prompt_tokens", "sum"),
+        "seqs": _optional(g, "seqs", "sum"),
+        "seqs_cross_chunk": _optional(g, "seqs_cross_chunk", "sum"),
+        "cross_chunk_frac_min": float(frac.min()) if frac.notna().all() else math.nan,
+        "seqs_multi_kv_block": _optional(g, "seqs_multi_kv_block", "sum"),
+        "seq_len_max": _optional(g, "seq_len_max", "max"),
         "k3_kl": _token_weighted_mean(g["k3_kl"], tokens) if "k3_kl" in g else math.nan,
-        "reward_first": float(first["reward_mean"].mean()),
-        "reward_last": float(last["reward_mean"].mean()),
+        "is_ratio_min": _optional(g, "is_ratio_min", "min"),
+        "is_ratio_max": _optional(g, "is_ratio_max", "max"),
+        "is_ratio_clip_frac": (_token_weighted_mean(g["is_ratio_clip_frac"], tokens)
+                               if "is_ratio_clip_frac" in g else math.nan),
+        "reward_first10": _reward_window(g, last=False),
+        "reward_last10": _reward_window(g, last=True),
         "n_seeds": int(g["seed"].nunique()),
         "n_steps": int(g["step"].nunique()),
     }
@@ -216,8 +263,10 @@ def format_value(col: str, x) -> str:
         return f"{float(x):+.1f}%"
     if col.startswith("time_"):
         return f"{x:.1f}" if abs(x) >= 1 else f"{x:.3g}"
-    if col.startswith("reward"):
+    if col.startswith("reward") or col == "cross_chunk_frac_min":
         return f"{x:.3f}"
+    if col.startswith("is_ratio_m"):
+        return f"{x:.6g}"
     return f"{x:.4g}"
 
 
@@ -327,10 +376,12 @@ _COMPARISON_ROWS = (
     ("max diff over all steps", "logprob_abs_diff_max", None),
     ("mismatched tokens / tokens", "mismatch_count", "tokens"),
     ("generation time / step", "time_generation_s", "overhead_generation_pct"),
+    ("trainer_score time / step", "time_score_s", "overhead_score_pct"),
     ("policy training time / step", "time_train_s", "overhead_train_pct"),
     ("weight sync time / step", "time_weight_sync_s", "overhead_weight_sync_pct"),
     ("full RL step", "time_step_s", "overhead_pct"),
-    ("reward, first -> last step", "reward_first", "reward_last"),
+    ("mean reward, first 10 -> last 10 steps", "reward_first10", "reward_last10"),
+    ("sequences crossing GDN chunks / sequences", "seqs_cross_chunk", "seqs"),
 )
 
 
@@ -343,9 +394,9 @@ def _comparison_cell(row: dict | None, col: str, extra: str | None) -> str:
         ov = row.get(extra)
         if ov is not None and not (isinstance(ov, float) and math.isnan(ov)):
             v += f" ({format_value(extra, ov)})"
-    elif extra == "tokens":
-        v += f" / {format_value('tokens', row['tokens'])}"
-    elif extra == "reward_last":
+    elif extra in ("tokens", "seqs"):
+        v += f" / {format_value(extra, row[extra])}"
+    elif extra == "reward_last10":
         v += f" -> {format_value(extra, row[extra])}"
     return v
 

@@ -2,6 +2,7 @@
 
 One-liners for the workflow rules::
 
+    isoexec rl data  --config X.yaml --out runs/data       # the embedded task as DAPO-schema parquet
     isoexec rl init-model --config X.yaml --out runs/model/init
     isoexec rl sft   --config X.yaml --init runs/model/init --out runs/model/sft
     isoexec rl train --config X.yaml --mode native --seed 0 --init runs/model/sft \\
@@ -45,19 +46,32 @@ def init_model(config: Path = typer.Option(..., help="experiment YAML"),
     typer.echo(f"wrote {out}")
 
 
+@app.command("data")
+def data(config: Path = typer.Option(..., help="experiment YAML"),
+         out: Path = typer.Option(..., help="folder for train.parquet and eval.parquet")) -> None:
+    """Write the embedded task as parquet in DAPO-Math-17k's schema (e.g. for SkyRL's dataset)."""
+    from isoexec.config import load_config
+    from isoexec.rl.data import embedded_rows, write_parquet
+
+    train, eval_ = embedded_rows(load_config(config).task)
+    for name, rows in (("train", train), ("eval", eval_)):
+        typer.echo(f"wrote {write_parquet(rows, out / f'{name}.parquet')} ({len(rows)} rows)")
+
+
 @app.command("sft")
 def sft(config: Path = typer.Option(..., help="experiment YAML"),
         init: Path = typer.Option(..., help="checkpoint from init-model"),
         out: Path = typer.Option(..., help="checkpoint directory to write (+ sft_metrics.json)"),
         steps: int | None = typer.Option(None, help="override sft.steps"),
         threads: int = _THREADS) -> None:
-    """SFT warm start until the sampled eval accuracy is inside sft.target_accuracy."""
+    """SFT warm start until the expected eval accuracy is inside sft.target_accuracy."""
     from isoexec.config import load_config
     from isoexec.rl.sft import run_sft
 
     _setup(threads)
     m = run_sft(load_config(config), init, out, steps=steps)
-    typer.echo(f"sft: accuracy {m['accuracy']:.3f} (greedy {m['greedy_accuracy']:.3f}) after {m['steps']} steps, "
+    typer.echo(f"sft: expected accuracy {m['expected_accuracy']:.3f}, sampled {m['accuracy']:.3f} "
+               f"(greedy {m['greedy_accuracy']:.3f}) after {m['steps']} steps, "
                f"in band: {m['in_band']}; wrote {out}")
 
 

@@ -1,4 +1,4 @@
-"""The in-process RL loop: one paired run (mode, seed) of GRPO/DAPO on the arithmetic task, without Ray.
+"""The in-process RL loop: one paired run (mode, seed) of GRPO/DAPO on the task's DAPO-schema data, without Ray.
 
 The main job runs through SkyRL (``rl.driver: skyrl``, :mod:`isoexec.rl.skyrl.driver`); this loop is
 the light driver of the tests and of side-by-side timings, for the ``hf`` and ``unified`` trainers
@@ -8,14 +8,18 @@ Each step, in this order (timed with ``time.perf_counter``):
 
 1. ``time/generation``: the engine samples ``rl.group_size`` responses for each of the step's
    ``rl.prompts_per_step`` prompts. Data order and sampling seeds depend only on (task, seed, step),
-   so native and isoexec runs of one seed see the same prompts and the same RNG seeds.
+   so native and isoexec runs of one seed see the same prompts and the same RNG seeds. Prompts are
+   the rows' chat messages through the tokenizer's chat template (:mod:`isoexec.rl.data`); rewards
+   are DAPO-Math's rule on the decoded responses (:mod:`isoexec.rl.reward`).
 2. ``time/score``: the trainer's pre-update ``trainer_score`` (no grad) of every sequence gives the
    full-vocabulary rows at response positions, hence ``lT`` (and the entropy, full-vocab KL).
-3. metrics of :mod:`isoexec.rl.metrics` (rollout ``lR`` vs trainer ``lT``; rewards).
+3. metrics of :mod:`isoexec.rl.metrics` (rollout ``lR`` vs trainer ``lT``, the rollout ratio's
+   clip fraction, exposure counts, rewards).
 4. ``time/train``: advantages, then ``rl.mini_batches`` optimizer updates, both SkyRL's
    (:mod:`isoexec.rl.skyrl.algorithm`: the estimator and policy loss named by the ``rl`` section, with
    its loss reduction), the loss ratio being ``exp(logp_new - lT)`` (the trainer's own old logprobs;
-   the rollout ratio is a metric).
+   the rollout ratio is a metric); the learning rate rises linearly to ``rl.lr`` over the first
+   ``rl.warmup_updates`` updates.
 5. ``time/weight_sync``: the trainer's compute-dtype weights (bf16 rounded from the fp32 masters)
    go to the engine (isoexec: contract handshake, checksums).
 
@@ -39,15 +43,16 @@ from isoexec.provenance import provenance
 from isoexec.rl import metrics
 from isoexec.rl.batch import build_batch, token_logprobs
 from isoexec.engines.base import Engine
-from isoexec.rl.task import Problem, make_splits, reward
-from isoexec.rl.tokenizer import encode_prompt, load_tokenizer
-from isoexec.trainer.optim import MasterAdamW
+from isoexec.rl.data import Example, load_splits, prompt_token_ids
+from isoexec.rl.reward import reward, response_text
+from isoexec.rl.tokenizer import load_tokenizer
+from isoexec.trainer.optim import MasterAdamW, warmup_lr
 from isoexec.trainer.base import Policy, sync_state
 
 log = logging.getLogger(__name__)
 
 
-def step_prompts(train: list[Problem], seed: int, step: int, per_step: int) -> list[Problem]:
+def step_prompts(train: list[Example], seed: int, step: int, per_step: int) -> list[Example]:
     """The prompts of ``step``: consecutive slices of a seed-dependent permutation of the train split
     (re-shuffled with a new epoch seed when exhausted). Independent of the mode."""
     per_epoch = len(train) // per_step
@@ -68,7 +73,7 @@ def kl_positions(n_tokens: int, k: int, seed: int, step: int) -> torch.Tensor:
     return torch.randperm(n_tokens, generator=g)[: min(k, n_tokens)].sort().values
 
 
-def rl_step(policy: Policy, engine: Engine, optimizer: MasterAdamW, tok, problems: list[Problem],
+def rl_step(policy: Policy, engine: Engine, optimizer: MasterAdamW, tok, problems: list[Example],
             config: ExperimentConfig, seed: int, step: int) -> dict[str, Any]:
     """One synchronous RL step; returns its metrics row (without ``step``/``mode``/``seed``)."""
     rl = config.rl
@@ -76,12 +81,12 @@ def rl_step(policy: Policy, engine: Engine, optimizer: MasterAdamW, tok, problem
 
     # 1. generation
     t0 = time.perf_counter()
-    prompts = [encode_prompt(tok, p.prompt) for p in problems]
+    prompts = [prompt_token_ids(tok, p) for p in problems]
     completions = engine.generate(prompts, rl.group_size, rl.max_new_tokens, generation_seed(seed, step),
                                   rl.temperature)
     t_gen = time.perf_counter() - t0
     rewards = torch.tensor(
-        [[reward(tok.convert_ids_to_tokens(c.token_ids), p.answer, tok.eos_token) for c in group]
+        [[reward(response_text(tok, c.token_ids), p.ground_truth) for c in group]
          for p, group in zip(problems, completions)]
     )  # [P, G]
     batch = build_batch(prompts, completions)
@@ -96,6 +101,11 @@ def rl_step(policy: Policy, engine: Engine, optimizer: MasterAdamW, tok, problem
 
     # 3. metrics
     row: dict[str, Any] = metrics.logprob_diff_metrics(batch.rollout_logprobs, lT)
+    row["is_ratio_clip_frac"] = metrics.is_ratio_clip_frac(batch.rollout_logprobs, lT, rl.clip_low, rl.clip_high)
+    row.update(metrics.exposure_metrics(
+        [len(p) for p, group in zip(prompts, completions) for _ in group],
+        [len(c.token_ids) for group in completions for c in group],
+        config.kernels.chunk_size, config.kernels.kv_block))
     pos = kl_positions(lT.numel(), rl.full_vocab_kl_positions, seed, step)
     row["full_vocab_kl"] = metrics.full_vocab_kl(
         None if batch.rollout_rows is None else batch.rollout_rows[pos], resp_rows[pos]
@@ -125,6 +135,7 @@ def rl_step(policy: Policy, engine: Engine, optimizer: MasterAdamW, tok, problem
         loss, stats = policy_loss(new_p, old_p, adv_p, mask, sub.padded(sub.rollout_logprobs)[0], alg)
         optimizer.zero_grad()
         loss.backward()
+        optimizer.set_lr(warmup_lr(rl.lr, rl.warmup_updates, optimizer.updates))
         norms.append(optimizer.step())
         losses.append(float(loss.detach()))
         clip_fracs.append(stats["clip_ratio"])
@@ -175,7 +186,7 @@ def run_rl(config: ExperimentConfig, mode: str, seed: int, init_dir: str | Path,
     out_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
     tok = load_tokenizer(init_dir)
-    train, _ = make_splits(config.task)
+    train, _ = load_splits(config.task)
     if policy is None:
         from isoexec.trainer.factory import load_trainer
 
@@ -196,8 +207,9 @@ def run_rl(config: ExperimentConfig, mode: str, seed: int, init_dir: str | Path,
         problems = step_prompts(train, seed, step, rl.prompts_per_step)
         row = rl_step(policy, engine, optimizer, tok, problems, config, seed, step)
         mlog.append({"step": step, "mode": mode, "seed": seed, **row})
-        log.info("%s seed %d step %d: reward %.3f mismatch %d/%d max|d| %.3g step %.2fs (gen %.2f score %.2f "
-                 "train %.2f sync %.2f)", mode, seed, step, row["reward_mean"], row["mismatch_count"], row["tokens"],
-                 row["logprob_abs_diff_max"], row["time/step"], row["time/generation"], row["time/score"],
-                 row["time/train"], row["time/weight_sync"])
+        log.info("%s seed %d step %d: reward %.3f mismatch %d/%d max|d| %.3g crossing C %d/%d step %.2fs "
+                 "(gen %.2f score %.2f train %.2f sync %.2f)", mode, seed, step, row["reward_mean"],
+                 row["mismatch_count"], row["tokens"], row["logprob_abs_diff_max"], row["seqs_cross_chunk"],
+                 row["seqs"], row["time/step"], row["time/generation"], row["time/score"], row["time/train"],
+                 row["time/weight_sync"])
     return mlog.rows

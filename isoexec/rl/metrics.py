@@ -10,11 +10,22 @@ token, both float32; ``d_t = lT_t - lR_t``.
 - ``logprob_abs_diff_mean/std/max``: mean, population std (``correction=0``) and max of ``|d_t|``.
 - ``k3_kl``: ``mean(exp(d) - d - 1)`` (Schulman's k3 estimator of KL(rollout || trainer) from
   rollout samples); exactly 0 when every ``d_t`` is 0.
-- ``is_ratio_mean/min/max``: statistics of ``exp(d_t)`` = pi_trainer / mu_rollout.
+- ``is_ratio_mean/min/max/std``: statistics of ``exp(d_t)`` = pi_trainer / mu_rollout (std: population).
+- ``is_ratio_clip_frac``: fraction of tokens whose ``exp(d_t)`` lies outside the policy loss's clip
+  range ``[1 - clip_low, 1 + clip_high]`` (:func:`is_ratio_clip_frac`): the share of the batch that
+  a loss using the rollout logprobs as its old policy would clip before any update.
 - ``full_vocab_kl``: mean over sampled positions of ``sum_v p_R(v) (log p_R(v) - log p_T(v))``.
 - ``entropy_mean``: mean over response positions of the trainer's full-vocabulary entropy.
 - ``pass_at_k``: mean over prompts of the unbiased estimator ``1 - C(n-c, k) / C(n, k)`` (n samples,
   c correct).
+
+Exposure (:func:`exposure_metrics`), per step, in the engine's view of each sequence of ``P`` prompt
+and ``R`` response tokens (it processes positions ``0..P+R-2``: prefill ``0..P-1``, decode
+``P..P+R-2``; the last sampled token is never fed back): ``seqs``, ``prompt_tokens``, ``seq_len_max``
+(``max(P + R)``), ``seqs_cross_chunk_prefill`` (``P > C``: the prefill's state pass spans more than
+one GDN chunk), ``seqs_cross_chunk_decode`` (decode completes a chunk, so CPR's resync runs: some
+``k*C - 1`` in ``[P, P+R-2]``), ``seqs_cross_chunk`` (either), ``seqs_multi_kv_block`` (the last
+processed position ``P+R-2 >= kv_block``: its attention reads more than one KV block).
 
 Reductions run in float64 on the float32 inputs, so they add no rounding of their own worth
 mentioning. Empty inputs give NaN (written as JSON ``null``).
@@ -43,7 +54,7 @@ def logprob_diff_metrics(rollout_logprobs: torch.Tensor, trainer_logprobs: torch
 
     Returns:
         ``tokens, mismatch_count, mismatch_rate, logprob_abs_diff_mean, logprob_abs_diff_std,
-        logprob_abs_diff_max, k3_kl, is_ratio_mean, is_ratio_min, is_ratio_max``.
+        logprob_abs_diff_max, k3_kl, is_ratio_mean, is_ratio_min, is_ratio_max, is_ratio_std``.
     """
     lR, lT = rollout_logprobs, trainer_logprobs
     if lR.shape != lT.shape or lR.dim() != 1:
@@ -54,7 +65,8 @@ def logprob_diff_metrics(rollout_logprobs: torch.Tensor, trainer_logprobs: torch
     out: dict[str, float | int] = {"tokens": n}
     if n == 0:
         out.update(mismatch_count=0, mismatch_rate=NAN, logprob_abs_diff_mean=NAN, logprob_abs_diff_std=NAN,
-                   logprob_abs_diff_max=NAN, k3_kl=NAN, is_ratio_mean=NAN, is_ratio_min=NAN, is_ratio_max=NAN)
+                   logprob_abs_diff_max=NAN, k3_kl=NAN, is_ratio_mean=NAN, is_ratio_min=NAN, is_ratio_max=NAN,
+                   is_ratio_std=NAN)
         return out
     mismatch = int((lT.contiguous().view(torch.int32) != lR.contiguous().view(torch.int32)).sum())
     d = lT.double() - lR.double()
@@ -70,8 +82,60 @@ def logprob_diff_metrics(rollout_logprobs: torch.Tensor, trainer_logprobs: torch
         is_ratio_mean=float(r.mean()),
         is_ratio_min=float(r.min()),
         is_ratio_max=float(r.max()),
+        is_ratio_std=float(r.std(correction=0)),
     )
     return out
+
+
+def is_ratio_clip_frac(rollout_logprobs: torch.Tensor, trainer_logprobs: torch.Tensor, clip_low: float,
+                       clip_high: float) -> float:
+    """Fraction of tokens whose ``exp(lT - lR)`` lies outside ``[1 - clip_low, 1 + clip_high]``.
+
+    Args:
+        rollout_logprobs, trainer_logprobs: ``[N]`` float32 (as :func:`logprob_diff_metrics`).
+        clip_low, clip_high: the policy loss's clip bounds (``rl.clip_low``, ``rl.clip_high``).
+
+    Returns:
+        A float in [0, 1]; NaN when N = 0; exactly 0.0 when every ``d_t`` is 0.
+    """
+    if rollout_logprobs.numel() == 0:
+        return NAN
+    r = torch.exp(trainer_logprobs.double() - rollout_logprobs.double())
+    return float(((r < 1.0 - clip_low) | (r > 1.0 + clip_high)).double().mean())
+
+
+def exposure_metrics(prompt_lens: list[int], response_lens: list[int], chunk_size: int,
+                     kv_block: int) -> dict[str, int]:
+    """How many sequences of a step exercise GDN chunk boundaries and multi-block attention.
+
+    Args:
+        prompt_lens, response_lens: ``P`` and ``R`` (>= 1) of each of the step's sequences, same length.
+        chunk_size: the GDN chunk size C (``kernels.chunk_size``).
+        kv_block: the attention KV block (``kernels.kv_block``).
+
+    Returns:
+        ``seqs, prompt_tokens, seq_len_max, seqs_cross_chunk, seqs_cross_chunk_prefill,
+        seqs_cross_chunk_decode, seqs_multi_kv_block`` as defined in the module docstring.
+
+    Raises:
+        ValueError: the lists differ in length, or a length is below 1.
+    """
+    if len(prompt_lens) != len(response_lens):
+        raise ValueError(f"{len(prompt_lens)} prompt lengths but {len(response_lens)} response lengths")
+    if any(p < 1 for p in prompt_lens) or any(r < 1 for r in response_lens):
+        raise ValueError("prompt and response lengths must be >= 1")
+    c = chunk_size
+    prefill = [p > c for p in prompt_lens]
+    decode = [(p + r - 1) // c > p // c for p, r in zip(prompt_lens, response_lens)]
+    return {
+        "seqs": len(prompt_lens),
+        "prompt_tokens": sum(prompt_lens),
+        "seq_len_max": max((p + r for p, r in zip(prompt_lens, response_lens)), default=0),
+        "seqs_cross_chunk": sum(a or b for a, b in zip(prefill, decode)),
+        "seqs_cross_chunk_prefill": sum(prefill),
+        "seqs_cross_chunk_decode": sum(decode),
+        "seqs_multi_kv_block": sum(p + r - 2 >= kv_block for p, r in zip(prompt_lens, response_lens)),
+    }
 
 
 def full_vocab_kl(rollout_rows: torch.Tensor | None, trainer_rows: torch.Tensor) -> float:

@@ -1,8 +1,9 @@
 """A tiny word-level tokenizer for the arithmetic task, built locally with ``tokenizers``.
 
 Vocabulary (ids in this order): ``<pad>`` 0, ``<bos>`` 1, ``<eos>`` 2, ``<unk>`` 3, the ten digits,
-``-``, every word / punctuation token of :mod:`isoexec.rl.task`'s templates, then filler tokens
-``<extra_i>`` up to the next multiple of ``multiple`` (64). The filler makes the tokenizer's vocabulary
+``-``, every word / punctuation token of :mod:`isoexec.rl.task`'s templates and of DAPO-Math-17k's
+instruction (:mod:`isoexec.rl.data`), sorted, then filler tokens ``<extra_i>`` up to the next
+multiple of ``multiple`` (64). The filler makes the tokenizer's vocabulary
 exactly the model's ``vocab_size``, so any id the model samples decodes (vLLM detokenizes every
 sampled id, including ones that no training example ever used).
 
@@ -13,8 +14,8 @@ transformers and vLLM load it from the checkpoint directory.
 
 Chat template (:data:`CHAT_TEMPLATE`): ``<bos>`` then the messages' contents, no role markup, so
 ``apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)`` gives exactly
-:func:`encode_prompt` ``(tok, p)``. Chat-format data (SkyRL's ``PromptDataset`` and generator) and
-plain prompts therefore reach the model as the same tokens.
+:func:`encode_prompt` ``(tok, p)``. Chat-format data (DAPO-Math-17k's ``prompt`` column, SkyRL's
+generator) and plain prompts therefore reach the model as the same tokens.
 """
 
 from __future__ import annotations
@@ -24,12 +25,28 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 
-from isoexec.rl.task import template_words
+from isoexec.rl.data import INSTRUCTION_PREFIX, INSTRUCTION_SUFFIX
+from isoexec.rl.task import template_texts
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 SPECIALS = [PAD, BOS, EOS, UNK]
 DIGITS = [str(i) for i in range(10)]
 CHAT_TEMPLATE = "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+
+
+def pre_tokenizer() -> pre_tokenizers.PreTokenizer:
+    """Whitespace split, punctuation alone, numbers digit by digit."""
+    return pre_tokenizers.Sequence(
+        [pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Punctuation(), pre_tokenizers.Digits(individual_digits=True)]
+    )
+
+
+def template_words() -> list[str]:
+    """Every word / punctuation token of the task's templates and DAPO's instruction (sorted)."""
+    pre = pre_tokenizer()
+    words = {w for text in [*template_texts(), INSTRUCTION_PREFIX, INSTRUCTION_SUFFIX]
+             for w, _ in pre.pre_tokenize_str(text)}
+    return sorted(words)
 
 
 def vocab_list(multiple: int = 64) -> list[str]:
@@ -40,12 +57,11 @@ def vocab_list(multiple: int = 64) -> list[str]:
 
 
 def build_tokenizer(multiple: int = 64) -> PreTrainedTokenizerFast:
-    """Build the task tokenizer (prepends ``<bos>`` when ``add_special_tokens=True``)."""
+    """Build the task tokenizer (prepends ``<bos>`` when ``add_special_tokens=True``; chat template
+    :data:`CHAT_TEMPLATE`)."""
     vocab = {w: i for i, w in enumerate(vocab_list(multiple))}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Punctuation(), pre_tokenizers.Digits(individual_digits=True)]
-    )
+    tok.pre_tokenizer = pre_tokenizer()
     tok.post_processor = processors.TemplateProcessing(
         single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, vocab[BOS])]
     )

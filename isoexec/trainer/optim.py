@@ -50,6 +50,12 @@ class MasterAdamW:
             list(self.master.values()), lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=False
         )
         self.max_grad_norm = max_grad_norm
+        self.updates = 0
+
+    def set_lr(self, lr: float) -> None:
+        """The learning rate of the following updates (a schedule is the caller's business)."""
+        for group in self.opt.param_groups:
+            group["lr"] = lr
 
     def zero_grad(self) -> None:
         for p in self.params.values():
@@ -60,7 +66,8 @@ class MasterAdamW:
         """One update from the gradients accumulated on the model's parameters.
 
         Returns:
-            The global gradient L2 norm before clipping (``nan``/``inf`` skips the update).
+            The global gradient L2 norm before clipping (``nan``/``inf`` skips the update, which then
+            does not count in ``updates``).
         """
         grads = {n: (g.to(torch.float32) if (g := self.grad_of(p)) is not None else None) for n, p in self.params.items()}
         present = {n: g for n, g in grads.items() if g is not None}
@@ -77,6 +84,7 @@ class MasterAdamW:
             g = grads[n]
             m.grad = None if g is None else g * scale
         self.opt.step()
+        self.updates += 1
         for n, p in self.params.items():
             p.copy_(self.master[n].to(p.dtype))
             self.master[n].grad = None
@@ -86,3 +94,15 @@ class MasterAdamW:
     def state_dict_for_sync(self) -> dict[str, torch.Tensor]:
         """The model's current parameters (compute dtype, HF names), detached: what the engine loads."""
         return {n: p.detach() for n, p in self.params.items()}
+
+
+def warmup_lr(lr: float, warmup_updates: int, updates: int) -> float:
+    """Learning rate of the next update under a linear warm-up: ``lr * min(1, (updates + 1) / warmup_updates)``.
+
+    Args:
+        lr: the peak learning rate (``rl.lr``).
+        warmup_updates: updates to reach it (``rl.warmup_updates``; 0 or 1: no warm-up).
+        updates: updates done so far (``MasterAdamW.updates``).
+    """
+    return lr * min(1.0, (updates + 1) / max(1, warmup_updates))
+

@@ -92,7 +92,7 @@ RL_METRICS = expand(
 TABLES = [f"{RES}/tables/summary.{ext}" for ext in ("csv", "md", "tex")]
 FIGURES = expand(
     f"{RES}/figures/{{name}}.{{ext}}",
-    name=("logprob_diff", "reward", "time"),
+    name=("logprob_diff", "is_ratio", "reward", "time"),
     ext=("png", "pdf"),
 )
 NOTEBOOK = os.path.join(workflow.basedir, "notebooks", "analysis.ipynb")

@@ -20,11 +20,13 @@ rule init_model:
 
 
 rule sft:
-    """Supervised fine-tuning so that RL starts from a model with nonzero, unsaturated reward."""
+    """Supervised fine-tuning so that RL starts from a model with nonzero, unsaturated reward; its
+    metrics (accuracy, history) are copied into the committed results."""
     input:
         f"{RUNS}/model/init",
     output:
-        directory(f"{RUNS}/model/sft"),
+        model=directory(f"{RUNS}/model/sft"),
+        metrics=f"{RES}/sft_metrics.json",
     log:
         f"{LOGS}/sft.log",
     benchmark:
@@ -36,4 +38,5 @@ rule sft:
         config=CONFIGFILE,
         settings=settings_digest("device", "model", "kernels", "task", "sft"),
     shell:
-        "isoexec rl sft --config {params.config} --init {input} --out {output} > {log} 2>&1"
+        "isoexec rl sft --config {params.config} --init {input} --out {output.model} > {log} 2>&1"
+        " && cp {output.model}/sft_metrics.json {output.metrics}"

@@ -32,13 +32,18 @@ rule report_tables:
 
 
 rule report_figures:
-    """logprob_diff, reward and time figures, PNG and PDF."""
+    """logprob_diff, is_ratio, reward and time figures, PNG and PDF."""
     input:
         RL_METRICS,
     output:
         logprob_diff=report(
             f"{RES}/figures/logprob_diff.png",
             caption="../report/logprob_diff.rst",
+            category="Figures",
+        ),
+        is_ratio=report(
+            f"{RES}/figures/is_ratio.png",
+            caption="../report/is_ratio.rst",
             category="Figures",
         ),
         reward=report(
@@ -50,7 +55,8 @@ rule report_figures:
             f"{RES}/figures/time.png", caption="../report/time.rst", category="Figures"
         ),
         pdf=expand(
-            f"{RES}/figures/{{name}}.pdf", name=("logprob_diff", "reward", "time")
+            f"{RES}/figures/{{name}}.pdf",
+            name=("logprob_diff", "is_ratio", "reward", "time"),
         ),
     log:
         f"{LOGS}/report_figures.log",
@@ -72,6 +78,8 @@ rule notebook:
         figures=FIGURES,
         gates=f"{RES}/gates.csv",
         rollout_check=f"{RES}/rollout_check.json",
+        sft=f"{RES}/sft_metrics.json",
+        settings=SETTINGS,
     output:
         ipynb=f"{RES}/notebooks/analysis.ipynb",
         html=report(

@@ -13,7 +13,7 @@ anything else raises ``ValueError`` naming the key. ``min_tokens`` (SkyRL always
 served as 0: masking EOS would sample from another distribution than the policy whose logprobs the
 engine reports. ``skip_special_tokens`` is not honoured for the text handed to the environment:
 responses are decoded *with* special tokens, so the task's reward rule sees the EOS
-(:class:`isoexec.rl.skyrl.env.ArithmeticEnv`).
+(:class:`isoexec.rl.skyrl.env.DapoMathEnv`).
 
 Weight sync request (``update_named_weights``): ``{"safetensors": bytes, "contract": bytes | None}``,
 the trainer's tensors under Hugging Face names and its contract (canonical JSON; None in native

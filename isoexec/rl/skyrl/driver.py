@@ -71,7 +71,8 @@ class IsoExecPPOTrainer(RayPPOTrainer):
     """``RayPPOTrainer`` that also computes the plain loop's per-step metrics (``self.isoexec_row``).
 
     Args:
-        exp, seed: the experiment (``rl.pass_k``, ``rl.full_vocab_kl_positions``) and run seed.
+        exp, seed: the experiment (``rl.pass_k``, ``rl.full_vocab_kl_positions``, clip range, ``kernels.chunk_size``
+            and ``kv_block`` for the exposure counts) and run seed.
         kwargs: ``RayPPOTrainer``'s.
     """
 
@@ -107,6 +108,10 @@ class IsoExecPPOTrainer(RayPPOTrainer):
         lR = training_input["rollout_logprobs"][: len(self._seqs)][mask].to(torch.float32)
         lT = training_input["action_log_probs"][: len(self._seqs)][mask].to(torch.float32)
         row = metrics.logprob_diff_metrics(lR, lT)
+        rl = self.exp.rl
+        row["is_ratio_clip_frac"] = metrics.is_ratio_clip_frac(lR, lT, rl.clip_low, rl.clip_high)
+        row.update(metrics.exposure_metrics([len(p) for p, _ in self._seqs], [len(r) for _, r in self._seqs],
+                                            self.exp.kernels.chunk_size, self.exp.kernels.kv_block))
         infos = self.policy_model.actor_infos  # every rank drains; the collection rank (rank 0) holds the rows
         kept = ray.get([a.handle.isoexec_drain_score.remote() for a in infos])
         trainer_rows = next(r for a, r in zip(infos, kept) if a.rank.is_collection_dp_rank())

@@ -1,14 +1,14 @@
-"""The arithmetic task as a skyrl-gym environment, and its training data in DAPO-Math-17k's schema.
+"""The RL task as a skyrl-gym environment, and its training data for SkyRL's ``PromptDataset``.
 
-- :class:`ArithmeticEnv`, registered with ``skyrl_gym.register`` as :data:`ENV_ID` (:func:`register`):
-  a single-turn ``BaseTextEnv`` whose ``step(action)`` scores the response text with the task's
-  rule (:func:`isoexec.rl.task.reward`: exactly one integer, then EOS). SkyRL's generator hands the
-  env the decoded response; isoexec's inference client decodes *with* special tokens
-  (:mod:`isoexec.rl.skyrl.client`), so the EOS and any stray special token reach the rule and the
-  reward is the same as the token-level reward of the plain loop.
-- :func:`write_train_data`: the train split as parquet (``datasets``) in DAPO-Math-17k's columns:
-  ``data_source``, ``prompt`` (chat format, one user message), ``reward_model`` (``style``,
-  ``ground_truth``), ``env_class`` (SkyRL's per-row env id), ``extra_info`` (``index``, ``op``).
+- :class:`DapoMathEnv`, registered with ``skyrl_gym.register`` as :data:`ENV_ID` (:func:`register`):
+  a single-turn ``BaseTextEnv`` whose ``step(action)`` scores the response text by DAPO-Math's rule
+  (:func:`isoexec.rl.reward.reward`, skyrl-gym's ``compute_score`` reported as accuracy 1/0, the same
+  reward as the in-process loop). SkyRL's generator hands the env the decoded response; isoexec's
+  inference client decodes *with* special tokens (:mod:`isoexec.rl.skyrl.client`), as
+  :func:`isoexec.rl.reward.response_text` does.
+- :func:`write_train_data`: the experiment's train rows in DAPO-Math-17k's schema
+  (:mod:`isoexec.rl.data`: the embedded task, or ``task.data_path``'s parquet) plus SkyRL's per-row
+  ``env_class``, as parquet through ``datasets``.
 """
 
 from __future__ import annotations
@@ -19,37 +19,35 @@ from typing import Any
 from skyrl_gym.envs.base_text_env import BaseTextEnv, BaseTextEnvStepOutput
 
 from isoexec.config import TaskSection
-from isoexec.rl.task import make_splits, reward
-from isoexec.rl.tokenizer import EOS
+from isoexec.rl.data import check_row, embedded_rows, load_parquet, write_parquet
+from isoexec.rl.reward import reward
 
-ENV_ID = "isoexec_arithmetic"
-DATA_SOURCE = "isoexec/arithmetic"
+ENV_ID = "isoexec_dapo_math"
 
 
-class ArithmeticEnv(BaseTextEnv):
-    """One-turn arithmetic word problem.
+class DapoMathEnv(BaseTextEnv):
+    """One-turn math problem scored by DAPO-Math's rule.
 
     Args:
         env_config: unused (skyrl-gym passes the env's config section).
-        extras: the data row's other columns; ``extras["reward_model"]["ground_truth"]`` is the
-            integer answer as a string (DAPO-Math schema).
+        extras: the data row's other columns; ``extras["reward_model"]["ground_truth"]`` is the answer
+            text (DAPO-Math schema).
 
     Raises:
-        ValueError: the row has no ``reward_model.ground_truth`` or it is not an integer.
+        ValueError: the row has no non-empty ``reward_model.ground_truth`` string.
     """
 
     def __init__(self, env_config: Any = None, extras: dict[str, Any] | None = None):
         super().__init__()
         truth = ((extras or {}).get("reward_model") or {}).get("ground_truth")
-        try:
-            self.answer = int(truth)
-        except (TypeError, ValueError):
-            raise ValueError(f"row needs reward_model.ground_truth as an integer string, got {truth!r}") from None
+        if not isinstance(truth, str) or not truth.strip():
+            raise ValueError(f"row needs reward_model.ground_truth as a non-empty string, got {truth!r}")
+        self.ground_truth = truth
 
     def step(self, action: str) -> BaseTextEnvStepOutput:
-        """Score ``action`` (the response text with special tokens, words separated by spaces)."""
-        r = reward(action.split(), self.answer, EOS)
-        return BaseTextEnvStepOutput(observations=[], reward=r, done=True, metadata={"answer": self.answer})
+        """Score ``action`` (the response text with special tokens)."""
+        r = reward(action, self.ground_truth)
+        return BaseTextEnvStepOutput(observations=[], reward=r, done=True, metadata={"ground_truth": self.ground_truth})
 
 
 def register() -> None:
@@ -57,29 +55,22 @@ def register() -> None:
     import skyrl_gym
 
     if ENV_ID not in skyrl_gym.registry:
-        skyrl_gym.register(id=ENV_ID, entry_point=f"{__name__}:ArithmeticEnv")
+        skyrl_gym.register(id=ENV_ID, entry_point=f"{__name__}:DapoMathEnv")
 
 
 def train_rows(task: TaskSection) -> list[dict[str, Any]]:
-    """The train split of ``task`` as DAPO-Math-schema rows, in split order."""
-    train, _ = make_splits(task)
-    return [
-        {
-            "data_source": DATA_SOURCE,
-            "prompt": [{"role": "user", "content": p.prompt}],
-            "reward_model": {"style": "rule", "ground_truth": str(p.answer)},
-            "env_class": ENV_ID,
-            "extra_info": {"index": i, "op": p.op},
-        }
-        for i, p in enumerate(train)
-    ]
+    """The train rows of ``task`` (embedded split, or every row of ``task.data_path``), each with
+    ``env_class`` = :data:`ENV_ID`.
+
+    Raises:
+        ValueError: a row is not in DAPO-Math-17k's schema (:func:`isoexec.rl.data.check_row`).
+    """
+    rows = embedded_rows(task)[0] if task.data_path is None else [dict(r) for r in load_parquet(task.data_path)]
+    for i, r in enumerate(rows):
+        check_row(r, f"train row {i}")
+    return [{**r, "env_class": ENV_ID} for r in rows]
 
 
 def write_train_data(task: TaskSection, path: str | Path) -> Path:
     """Write :func:`train_rows` to ``path`` (parquet, through ``datasets``); returns the path."""
-    import datasets
-
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    datasets.Dataset.from_list(train_rows(task)).to_parquet(str(path))
-    return path
+    return write_parquet(train_rows(task), path)

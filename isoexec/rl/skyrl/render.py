@@ -80,7 +80,7 @@ def algorithm_overrides(exp: ExperimentConfig, data_parallel: int = 1) -> dict[s
         "trainer.policy.optimizer_config.lr": rl.lr,
         "trainer.policy.optimizer_config.weight_decay": rl.weight_decay,
         "trainer.policy.optimizer_config.max_grad_norm": rl.max_grad_norm,
-        "trainer.policy.optimizer_config.num_warmup_steps": 0,
+        "trainer.policy.optimizer_config.num_warmup_steps": rl.warmup_updates,
         "trainer.policy.optimizer_config.scheduler": "constant_with_warmup",
         "generator.n_samples_per_prompt": rl.group_size,
         "generator.sampling_params.max_generate_length": rl.max_new_tokens,

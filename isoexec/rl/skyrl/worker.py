@@ -143,14 +143,18 @@ class PolicyModel(torch.nn.Module):
         return out
 
 
-class ConstantLR:
-    """The learning-rate schedule SkyRL reads (``get_last_lr``): isoexec runs a constant ``lr``."""
+class WarmupLR:
+    """The learning-rate schedule SkyRL reads (``get_last_lr``): ``rl.lr`` after a linear warm-up over
+    ``rl.warmup_updates`` updates (:func:`isoexec.trainer.optim.warmup_lr`, as the in-process loop), set on
+    the trainer's optimizer by the strategy before each update."""
 
-    def __init__(self, lr: float):
-        self.lr = float(lr)
+    def __init__(self, optimizer, lr: float, warmup_updates: int):
+        self.optimizer, self.lr, self.warmup_updates = optimizer, float(lr), warmup_updates
 
     def get_last_lr(self) -> list[float]:
-        return [self.lr]
+        from isoexec.trainer.optim import warmup_lr
+
+        return [warmup_lr(self.lr, self.warmup_updates, self.optimizer.updates)]
 
     def step(self) -> None:
         return None
@@ -246,8 +250,13 @@ class IsoExecPolicyWorker(PolicyWorkerBase):
                                          weight_decay=oc.weight_decay, max_grad_norm=oc.max_grad_norm)
             update = self.optimizer.step
         self.model = PolicyModel(self.policy, exp.kernels.temperature, keep_rows=self._rank == 0)
-        self.scheduler = ConstantLR(oc.lr)
-        self.strategy = IsoExecStrategy(self._world_size, update)
+        self.scheduler = WarmupLR(self.optimizer, oc.lr, exp.rl.warmup_updates)
+
+        def warmed_update() -> float:
+            self.optimizer.set_lr(self.scheduler.get_last_lr()[0])
+            return update()
+
+        self.strategy = IsoExecStrategy(self._world_size, warmed_update)
         self.last_sync: dict[str, Any] = {}
 
     def _set_pad_token_id(self, pad_token_id: int) -> None:
