@@ -82,21 +82,21 @@ def train(config: Path = typer.Option(..., help="experiment YAML"),
           init: Path = typer.Option(..., help="the SFT checkpoint"),
           out: Path = typer.Option(..., help="results/<exp>/rl/<mode>/seed<k>"),
           steps: int | None = typer.Option(None, help="override rl.steps"),
-          driver: str = typer.Option("loop", help="loop (isoexec's own loop) | skyrl (SkyRL's RayPPOTrainer, "
-                                                  "Ray started locally; needs the skyrl extra)"),
+          driver: str | None = typer.Option(None, help="override rl.driver: skyrl (SkyRL's RayPPOTrainer, Ray "
+                                                       "started locally; needs the skyrl extra) | loop (in-process)"),
           threads: int = _THREADS) -> None:
     """One paired-run half: GRPO/DAPO steps of MODE from INIT; writes metrics.jsonl + provenance.json."""
     from isoexec.config import load_config
 
     if mode not in ("native", "isoexec"):
-        raise typer.BadParameter("--mode must be native or isoexec")
-    if driver not in ("loop", "skyrl"):
-        raise typer.BadParameter("--driver must be loop or skyrl")
-    if driver == "skyrl" and load_config(config).engine.backend != "vllm":
-        raise typer.BadParameter("--driver skyrl runs the vLLM engine only (engine.backend: vllm)")
-    _setup(threads)
+        raise typer.BadParameter(f"--mode {mode!r}: must be native or isoexec")
+    if driver not in (None, "loop", "skyrl"):
+        raise typer.BadParameter(f"--driver {driver!r}: must be loop or skyrl")
     cfg = load_config(config)
-    if driver == "skyrl":
+    if driver is not None and driver != cfg.rl.driver:
+        cfg = type(cfg).model_validate({**cfg.model_dump(), "rl": {**cfg.rl.model_dump(), "driver": driver}})
+    _setup(threads)
+    if cfg.rl.driver == "skyrl":
         from isoexec.rl.skyrl.driver import run_skyrl
 
         rows = run_skyrl(cfg, mode, seed, init, out, steps=steps, threads=threads)
