@@ -221,7 +221,7 @@ class TrainerSection(_Section):
     ``backend``: one backend for both modes, or a mapping ``mode -> backend``. ``hf`` is transformers'
     ``Qwen3NextForCausalLM`` with its own kernels (native only); ``unified`` is the unified model with
     the mode's kernel set; ``megatron`` is megatron-core (:mod:`isoexec.trainer.megatron`) with the
-    mode's kernel set on ``tp`` x ``ep`` ranks (one process each; CPU and gloo).
+    mode's kernel set on ``tp`` x ``ep`` ranks (one process each; gloo on CPU, NCCL on CUDA).
     """
 
     backend: TrainerBackend | dict[Mode, TrainerBackend] = Field(
@@ -260,8 +260,8 @@ class TrainerSection(_Section):
         from isoexec.kernels.topology import proven_topology
         from isoexec.trainer.megatron.config import layout_problems
 
-        if device != "cpu":
-            return [f"trainer.backend='megatron' runs on CPU with gloo (device={device!r})"]
+        if device not in ("cpu", "cuda"):
+            return [f"trainer.backend='megatron' runs on cpu (gloo) or cuda (NCCL), not device={device!r}"]
         layout = self.layout()
         try:
             layout.check()

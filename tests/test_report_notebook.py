@@ -10,9 +10,11 @@ import pytest
 
 pytest.importorskip("papermill", reason="the analysis extra (papermill, nbconvert) is not installed")
 
+from isoexec.config import load_config  # noqa: E402
 from isoexec.report.figures import write_figures  # noqa: E402
 from isoexec.report.notebook import INJECTED_ID, run_notebook  # noqa: E402
 from isoexec.report.tables import write_tables  # noqa: E402
+from isoexec.settings import settings_record  # noqa: E402
 from test_report_tables import write_synthetic_runs  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,6 +27,7 @@ def test_executing_twice_gives_the_same_bytes(tmp_path):
     write_figures(exp)
     (exp / "gates.csv").write_text("region,case_a,case_b,kernel_set,bitwise_equal\nlm_head,trainer_score,engine_decode,isoexec,True\n")
     (exp / "rollout_check.json").write_text(json.dumps({"results": [{"mode": "isoexec", "mismatch_count": 0}]}))
+    (exp / "experiment.json").write_text(json.dumps(settings_record(load_config(ROOT / "experiments" / "ci-tiny.yaml"))))
     first = run_notebook(ROOT / "notebooks" / "analysis.ipynb", exp, tmp_path / "a")
     second = run_notebook(ROOT / "notebooks" / "analysis.ipynb", exp, tmp_path / "b")
     for a, b in zip(first, second):

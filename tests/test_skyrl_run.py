@@ -31,7 +31,9 @@ LOOP_NAMES = {"step", "mode", "seed", "tokens", "mismatch_count", "mismatch_rate
               "logprob_abs_diff_std", "logprob_abs_diff_max", "k3_kl", "is_ratio_mean", "is_ratio_min",
               "is_ratio_max", "full_vocab_kl", "reward_mean", "pass_at_k", "response_length_mean",
               "entropy_mean", "groups_used", "loss", "grad_norm", "clip_frac", "time/generation", "time/score",
-              "time/train", "time/weight_sync", "time/step"}
+              "time/train", "time/weight_sync", "time/step", "is_ratio_std", "is_ratio_clip_frac", "seqs",
+              "seqs_cross_chunk", "seqs_cross_chunk_prefill", "seqs_cross_chunk_decode", "seqs_multi_kv_block",
+              "seq_len_max", "prompt_tokens"}
 
 
 @pytest.fixture(scope="module")

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from isoexec.contract import REGIONS
-from isoexec.kernels.topology import ISOEXEC_CPU_TOPOLOGY, SINGLE_RANK
+from isoexec.kernels.topology import ISOEXEC_CPU_TOPOLOGY, ISOEXEC_SM90_TOPOLOGY, SINGLE_RANK
 
 GEMM_REGIONS = ("attn.qkv_proj", "attn.out_proj", "gdn.in_proj", "gdn.out_proj")
 """Projection GEMMs that share one implementation (``lm_head`` and the MoE GEMMs have their own entries)."""
@@ -36,13 +36,6 @@ ROW_PARALLEL_REGIONS = ("attn.out_proj", "gdn.out_proj")
 """Projections whose K is sharded under TP (Megatron's ``RowParallelLinear``): pik leaf GEMMs."""
 COLUMN_PARALLEL_REGIONS = ("attn.qkv_proj", "gdn.in_proj")
 """Projections whose output features are sharded under TP (``ColumnParallelLinear``): column tiles on CPU."""
-
-
-ISOEXEC_SM90_TOPOLOGY = {"tp": (1, 2), "ep": (1, 2), "sp": (1, 2), "dp": (1, 2)}
-"""Degrees under which the Triton isoexec set is proven invariant: the Megatron trainer on two H200s over
-NCCL (TP 1/2 with SP, EP 2) against the unified model's engine path, ``isoexec.bench.megatron_gpu``
-(``results/h200x2/megatron.csv``). The pik tree itself allows every power of two dividing ``leaves``
-(``results/h200x2/pik.csv`` checks 4 and 8 shards of one GEMM)."""
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

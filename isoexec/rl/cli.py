@@ -89,9 +89,9 @@ def train(config: Path = typer.Option(..., help="experiment YAML"),
     from isoexec.config import load_config
 
     if mode not in ("native", "isoexec"):
-        raise typer.BadParameter(f"--mode {mode!r}: must be native or isoexec")
+        raise typer.BadParameter(f"--mode must be native or isoexec, got {mode!r}")
     if driver not in (None, "loop", "skyrl"):
-        raise typer.BadParameter(f"--driver {driver!r}: must be loop or skyrl")
+        raise typer.BadParameter(f"--driver must be loop or skyrl, got {driver!r}")
     cfg = load_config(config)
     if driver is not None and driver != cfg.rl.driver:
         cfg = type(cfg).model_validate({**cfg.model_dump(), "rl": {**cfg.rl.model_dump(), "driver": driver}})

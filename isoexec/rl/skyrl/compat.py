@@ -21,7 +21,14 @@ item names the upstream file and line it works around; drop it when upstream no 
    (``skyrl/backends/skyrl_train/workers/worker.py:841``) asks Ray for ``num_gpus`` per trainer
    actor. On a CPU host Ray is started with that many *logical* GPUs (Ray's resources are only
    counters; no device is used), and with few CPUs so that it stays small on a 2-core machine.
-4. Not patched, avoided: importing ``skyrl.train.entrypoints.main_base`` (through
+4. :func:`filter_sampling_keeps_sampling_on_uninformative_batches` (the driver process):
+   ``handle_filter_sampling`` (``skyrl/train/utils/trainer_utils.py:518``, skyrl 0.4.0; DAPO's dynamic
+   sampling, ``trainer.algorithm.dynamic_sampling.type: filter``) slices each sampled batch to its
+   informative groups; when a batch has none (every group's rewards equal, common for a small
+   model), the slice is empty and ``slice_generator_output`` (``skyrl/train/generators/utils.py:831``)
+   raises ``AssertionError: indices must be non-empty``. Such a batch adds nothing to the step, so
+   the wrapper answers "keep sampling" without it; SkyRL's ``max_sample_batches`` limit still counts it.
+5. Not patched, avoided: importing ``skyrl.train.entrypoints.main_base`` (through
    ``skyrl/backends/skyrl_train/inference_servers/new_inference_worker_wrap.py``) patches vLLM
    in-process (LoRA loading, KV-cache methods, model runner registry). isoexec's vLLM engine
    therefore runs in its own Ray actor (:mod:`isoexec.rl.skyrl.engine_actor`), whose module
@@ -78,3 +85,30 @@ def ray_init_kwargs(num_cpus: int, num_trainer_gpus: int, env_vars: dict[str, st
         object_store_memory=256 * 1024**2,
         runtime_env={"worker_process_setup_hook": SETUP_HOOK, "env_vars": dict(env_vars or {})},
     )
+
+
+def filter_sampling_keeps_sampling_on_uninformative_batches() -> None:
+    """Item 4: wrap ``skyrl.train.utils.trainer_utils.handle_filter_sampling`` so that a sampled batch
+    without any informative group (all rewards of every group equal) means "keep sampling" instead of
+    an empty slice. Idempotent; call it in the process that runs ``RayPPOTrainer.train``."""
+    from collections import defaultdict
+
+    import numpy as np
+    from skyrl.train.utils import trainer_utils
+
+    original = trainer_utils.handle_filter_sampling
+    if getattr(original, "__isoexec_wrapped__", False):
+        return
+
+    def handle_filter_sampling(generator_output, uids, sampling_config, collected_state):
+        groups = defaultdict(list)
+        for uid, r in zip(uids, generator_output["rewards"]):
+            groups[uid].append(sum(r) if isinstance(r, list) else r)
+        if sampling_config["n_samples_per_prompt"] > 1 and all(np.std(v) == 0 for v in groups.values()):
+            return generator_output, uids, True, collected_state
+        return original(generator_output, uids, sampling_config, collected_state)
+
+    handle_filter_sampling.__isoexec_wrapped__ = True
+    handle_filter_sampling.__wrapped_original__ = original
+    trainer_utils.handle_filter_sampling = handle_filter_sampling
+

@@ -43,6 +43,7 @@ from isoexec.rl import metrics
 from isoexec.rl.skyrl import compat
 
 compat.install()  # before the first skyrl import (compat item 1)
+compat.filter_sampling_keeps_sampling_on_uninformative_batches()  # compat item 4
 
 import ray  # noqa: E402
 from skyrl.train.entrypoints.main_base import BasePPOExp  # noqa: E402
