@@ -187,6 +187,20 @@ def test_written_files_exist_and_carry_provenance(exp_dir):
     assert r"\begin{tabular}" in (out / "summary.tex").read_text()
 
 
+def test_main_table_is_compact_with_readable_headers_and_units(exp_dir):
+    tables.write_tables(exp_dir)
+    out = exp_dir / "tables"
+    main = pd.read_csv(out / "main.csv")
+    assert list(main.columns) == list(tables.MAIN_HEADERS.values()) and len(main.columns) <= 10
+    summary = pd.read_csv(out / "summary.csv").set_index("mode")
+    for col, header in tables.MAIN_HEADERS.items():  # the same numbers as the full table
+        if col != "mode":
+            pd.testing.assert_series_equal(main.set_index("mode")[header], summary[col], check_names=False)
+    md = (out / "main.md").read_text()
+    assert "| mode | mean abs logprob diff (nats) |" in md and "logprob_abs_diff" not in md.split("-->", 1)[1]
+    assert "step (s)" in (out / "main.tex").read_text()
+
+
 def test_blog_number_format():
     assert tables.format_scientific(1.648e-2) == "1.648e-2"
     assert tables.format_scientific(5.073) == "5.073e0"

@@ -37,7 +37,8 @@ run does not record (metrics written before the key existed) are empty.
 
 Files (under ``<exp_dir>/tables/``, written atomically): ``summary.csv`` (full precision) with
 ``summary.provenance.json`` beside it, ``summary.md`` and ``summary.tex`` (formatted like the blog,
-provenance in a comment header), the same for ``per_seed``, and ``comparison.md``: the summary in the
+provenance in a comment header), the same for ``per_seed`` and for ``main`` (the compact table a paper
+takes: :data:`MAIN_HEADERS`, readable headers with units), and ``comparison.md``: the summary in the
 layout of the published table (DESIGN.md §1) with the published values beside it.
 """
 
@@ -102,6 +103,19 @@ COLUMNS: tuple[str, ...] = (
     "n_seeds",
     "n_steps",
 )
+MAIN_HEADERS: dict[str, str] = {
+    "mode": "mode",
+    "logprob_abs_diff_mean": "mean abs logprob diff (nats)",
+    "logprob_abs_diff_max": "max abs logprob diff (nats)",
+    "mismatch_count": "mismatched tokens",
+    "tokens": "tokens",
+    "seqs_cross_chunk": "seqs crossing C",
+    "reward_first10": "reward, first 10 steps",
+    "reward_last10": "reward, last 10 steps",
+    "time_step_s": "step (s)",
+    "overhead_pct": "step overhead",
+}
+"""The compact main table (``tables/main.*``): summary columns and their readable headers with units."""
 SCIENTIFIC = {
     "logprob_abs_diff_mean",
     "logprob_abs_diff_std",
@@ -274,10 +288,11 @@ def _formatted(table: pd.DataFrame) -> list[list[str]]:
     return [[format_value(c, v) for c, v in zip(table.columns, row, strict=True)] for row in table.itertuples(index=False)]
 
 
-def to_markdown(table: pd.DataFrame, prov: dict, title: str) -> str:
-    """A GitHub-markdown table with the provenance in an HTML comment header."""
+def to_markdown(table: pd.DataFrame, prov: dict, title: str, headers: dict[str, str] | None = None) -> str:
+    """A GitHub-markdown table with the provenance in an HTML comment header; ``headers`` renames columns
+    for display (cells are formatted by their column's name)."""
     lines = ["<!--", *(f"  {line}" for line in provenance_lines(prov)), "-->", f"**{title}**", ""]
-    lines.append("| " + " | ".join(table.columns) + " |")
+    lines.append("| " + " | ".join((headers or {}).get(c, c) for c in table.columns) + " |")
     lines.append("|" + "|".join("---" if c == "mode" else "---:" for c in table.columns) + "|")
     lines += ["| " + " | ".join(cells) + " |" for cells in _formatted(table)]
     lines += [
@@ -296,26 +311,28 @@ def _tex_escape(s: str) -> str:
     return s
 
 
-def to_latex(table: pd.DataFrame, prov: dict, title: str) -> str:
-    """A booktabs ``tabular`` with the provenance in ``%`` comments."""
+def to_latex(table: pd.DataFrame, prov: dict, title: str, headers: dict[str, str] | None = None) -> str:
+    """A booktabs ``tabular`` with the provenance in ``%`` comments; ``headers`` as in :func:`to_markdown`."""
     lines = [f"% {line}" for line in provenance_lines(prov)]
     lines.append(f"% {title}")
     lines.append(r"\begin{tabular}{" + "".join("l" if c == "mode" else "r" for c in table.columns) + "}")
     lines.append(r"\toprule")
-    lines.append(" & ".join(_tex_escape(c) for c in table.columns) + r" \\")
+    lines.append(" & ".join(_tex_escape((headers or {}).get(c, c)) for c in table.columns) + r" \\")
     lines.append(r"\midrule")
     lines += [" & ".join(_tex_escape(x) for x in cells) + r" \\" for cells in _formatted(table)]
     lines += [r"\bottomrule", r"\end{tabular}", ""]
     return "\n".join(lines)
 
 
-def write_table(table: pd.DataFrame, out_dir: Path, stem: str, prov: dict, title: str) -> list[Path]:
-    """``<stem>.csv`` + ``<stem>.provenance.json`` + ``<stem>.md`` + ``<stem>.tex``, each atomically."""
+def write_table(table: pd.DataFrame, out_dir: Path, stem: str, prov: dict, title: str,
+                headers: dict[str, str] | None = None) -> list[Path]:
+    """``<stem>.csv`` + ``<stem>.provenance.json`` + ``<stem>.md`` + ``<stem>.tex``, each atomically;
+    ``headers`` renames the columns in all three tables."""
     files = [
-        atomic_write_text(out_dir / f"{stem}.csv", table.to_csv(index=False)),
+        atomic_write_text(out_dir / f"{stem}.csv", table.rename(columns=headers or {}).to_csv(index=False)),
         atomic_write_text(out_dir / f"{stem}.provenance.json", json.dumps(prov, indent=2, sort_keys=True) + "\n"),
-        atomic_write_text(out_dir / f"{stem}.md", to_markdown(table, prov, title)),
-        atomic_write_text(out_dir / f"{stem}.tex", to_latex(table, prov, title)),
+        atomic_write_text(out_dir / f"{stem}.md", to_markdown(table, prov, title, headers)),
+        atomic_write_text(out_dir / f"{stem}.tex", to_latex(table, prov, title, headers)),
     ]
     return files
 
@@ -343,6 +360,8 @@ def write_tables(
     files.append(
         atomic_write_text(out / "comparison.md", to_comparison_markdown(summary, prov, f"{name} vs the published result"))
     )
+    files += write_table(summary[list(MAIN_HEADERS)], out, "main", prov,
+                         f"{name}: native vs IsoExec (means over seeds; the full table is summary.*)", MAIN_HEADERS)
     files += write_table(summarize_per_seed(df), out, "per_seed", prov, f"{name}: per seed")
     return files
 

@@ -2,7 +2,8 @@
 
 
 rule report_tables:
-    """summary.{csv,md,tex} (one row per mode), per_seed.*, comparison.md, with provenance."""
+    """main.{csv,md,tex} (the compact table), summary.* (one row per mode, every column), per_seed.*,
+    comparison.md, with provenance."""
     input:
         RL_METRICS,
     output:
@@ -20,6 +21,7 @@ rule report_tables:
             category="Tables",
         ),
         comparison=f"{RES}/tables/comparison.md",
+        main=expand(f"{RES}/tables/main.{{ext}}", ext=("csv", "md", "tex")),
     log:
         f"{LOGS}/report_tables.log",
     conda:
