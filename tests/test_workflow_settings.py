@@ -32,10 +32,10 @@ def errors(r: subprocess.CompletedProcess) -> list[str]:
 
 def test_differences_name_each_setting_and_ignore_new_settings_at_their_default(tmp_path):
     (tmp_path / "a.yaml").write_text(CI_TINY)
-    (tmp_path / "b.yaml").write_text(CI_TINY.replace("  steps: 2\n", "  steps: 3\n").replace("  lr: 2.0e-4\n", ""))
+    (tmp_path / "b.yaml").write_text(CI_TINY.replace("  steps: 2\n", "  steps: 3\n").replace("  lr: 1.0e-3\n", ""))
     a, b = load_config(tmp_path / "a.yaml"), load_config(tmp_path / "b.yaml")
     assert settings_differences(settings_record(a), a) == []
-    assert settings_differences(settings_record(a), b) == ["rl.lr: 0.0002 -> 0.0001", "rl.steps: 2 -> 3"]
+    assert settings_differences(settings_record(a), b) == ["rl.lr: 0.001 -> 0.0001", "rl.steps: 2 -> 3"]
     older = settings_record(a)
     del older["rl"]["steps"], older["engine"]["max_num_seqs"]  # written before these settings existed
     assert settings_differences(older, a) == ["rl.steps: not recorded -> 2"]  # max_num_seqs is at its default
@@ -78,12 +78,13 @@ def test_changed_config_under_a_recorded_name_is_refused(tmp_path, metadata):
 @pytest.mark.skipif(not SNAKEMAKE.exists(), reason="snakemake not installed beside python")
 def test_copy_of_the_default_with_other_steps_cannot_touch_the_committed_results(tmp_path):
     mine = tmp_path / "mine.yaml"
-    mine.write_text((ROOT / "experiments" / "cpu-tiny.yaml").read_text().replace("\n  steps: 20\n", "\n  steps: 5\n"))
+    steps = load_config(ROOT / "experiments" / "cpu-tiny.yaml").rl.steps
+    mine.write_text((ROOT / "experiments" / "cpu-tiny.yaml").read_text().replace(f"\n  steps: {steps}\n", "\n  steps: 5\n"))
     r = subprocess.run([str(SNAKEMAKE), "-s", str(ROOT / "Snakefile"), "-n", "reproduce", "--configfile", str(mine)],
                        cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 2, r.stdout + r.stderr
     [line] = errors(r)
-    assert "results/cpu-tiny/ holds results of experiment 'cpu-tiny'" in line and "rl.steps: 20 -> 5" in line
+    assert "results/cpu-tiny/ holds results of experiment 'cpu-tiny'" in line and f"rl.steps: {steps} -> 5" in line
 
 
 def test_committed_record_matches_the_default_experiment():

@@ -45,5 +45,9 @@ rule sft_metrics:
         f"{RUNS}/model/sft",
     output:
         f"{RES}/sft_metrics.json",
+    log:
+        f"{LOGS}/sft_metrics.log",
+    conda:
+        "../envs/isoexec.yaml"
     shell:
-        "cp {input}/sft_metrics.json {output}"
+        "cp {input}/sft_metrics.json {output} > {log} 2>&1"

@@ -11,6 +11,8 @@ rule skyrl_config:
         f"{RES}/skyrl/{{mode}}.skyrl.yaml",
     log:
         f"{LOGS}/skyrl/config_{{mode}}.log",
+    conda:
+        "../envs/isoexec.yaml"
     params:
         config=CONFIGFILE,
         settings=settings_digest("kernels", "rl", "engine", "skyrl"),
@@ -28,6 +30,8 @@ rule skyrl_run:
         f"{LOGS}/skyrl/run_{{mode}}.log",
     benchmark:
         f"{BENCH}/skyrl_{{mode}}.tsv"
+    conda:
+        "../envs/isoexec.yaml"
     threads: ALL_CORES
     shell:
         "isoexec rl skyrl-launch --rendered {input} > {log} 2>&1"
