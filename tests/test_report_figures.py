@@ -59,6 +59,25 @@ def test_time_figure_annotates_paired_overhead(tmp_path):
     assert fig.axes[0].get_ylabel() == "seconds per RL step"
 
 
+def test_time_figure_overhead_labels_sit_above_the_error_bars(tmp_path):
+    exp = write_synthetic_runs(tmp_path / "results" / "synthetic")
+    fig = figures.time_figure(load_metrics(exp), "synthetic")
+    ax = fig.axes[0]
+    tops = {round(float(seg[0, 0]), 6): float(seg[:, 1].max()) for coll in ax.collections for seg in coll.get_segments()}
+    assert ax.texts and tops
+    for t in ax.texts:
+        x, y = t.xy
+        assert y >= tops[round(float(x), 6)]  # the label's anchor is at the top of its bar's error bar
+
+
+def test_reward_figure_names_k_and_its_units(tmp_path):
+    exp = write_synthetic_runs(tmp_path / "results" / "synthetic")
+    fig = figures.reward_figure(load_metrics(exp), "synthetic", pass_k=4)
+    labels = [ax.get_ylabel() for ax in fig.axes]
+    assert labels[0] == "accuracy (fraction of responses)"
+    assert "pass@4" in labels[1] and "(fraction) (fraction)" not in " ".join(labels)
+
+
 def test_ratio_figure_shows_isoexec_at_exactly_one_and_native_spread(tmp_path):
     exp = write_synthetic_runs(tmp_path / "results" / "synthetic")
     fig = figures.ratio_figure(load_metrics(exp), "synthetic")

@@ -11,6 +11,7 @@ TP 4; batches of three right-padded sequences, one longer than two GDN chunks (C
 import pytest
 import torch
 
+from isoexec.bench.megatron_gpu import engine_rows
 from isoexec.config import KernelSection
 from isoexec.trainer.megatron.config import Layout
 
@@ -131,21 +132,6 @@ def unified(hf_model):
     return models
 
 
-def _engine_rows(model, ids, cu):
-    """Full-vocabulary rows of the engine path: every sequence prefilled in two chunks, then decoded
-    token by token, all sequences batched in each step."""
-    seqs = [ids[a:b] for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())]
-    caches = [model.new_cache() for _ in seqs]
-    plans = [[s[: len(s) // 3], s[len(s) // 3 : len(s) - 4], *s[len(s) - 4 :].split(1)] for s in seqs]
-    rows = [[] for _ in seqs]
-    for step in range(max(len(p) for p in plans)):
-        live = [i for i, p in enumerate(plans) if step < len(p) and len(p[step])]
-        outs = model.engine_step([caches[i] for i in live], [plans[i][step] for i in live])
-        for i, o in zip(live, outs):
-            rows[i].append(o)
-    return torch.cat([torch.cat(r) for r in rows])
-
-
 def _maxdiff(a, b):
     return (a - b).abs().max().item()
 
@@ -172,7 +158,7 @@ def test_native_megatron_tp2_differs_from_tp1_negative_control(runs):
 
 def test_native_megatron_differs_from_the_native_engine_negative_control(runs, unified):
     ids, cu = _batch()
-    eng = _engine_rows(unified[1], ids, cu)
+    eng = engine_rows(unified[1], ids, cu)
     x = runs["native_tp1"][0]["score"]
     print(f"native Megatron TP1 vs native engine path (bf16): max |diff| {_maxdiff(x, eng):.3e}")
     assert not torch.equal(x, eng)
@@ -185,7 +171,7 @@ def test_isoexec_trainer_bitwise_equal_across_layouts_and_to_the_engine(runs, un
     unified model's trainer rows and its engine path (chunked prefill + decode), bit for bit."""
     ids, cu = _batch()
     ref = unified[0].trainer_logprobs(ids, cu)
-    assert torch.equal(_engine_rows(unified[0], ids, cu), ref)
+    assert torch.equal(engine_rows(unified[0], ids, cu), ref)
     for rank, r in enumerate(runs[case]):
         assert torch.equal(r["score"], ref), (case, rank, _maxdiff(r["score"], ref))
         assert torch.equal(r["fwd"], ref), (case, rank, _maxdiff(r["fwd"], ref))

@@ -19,8 +19,10 @@ atomically.
 from __future__ import annotations
 
 import io
+import json
 import math
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -201,15 +203,20 @@ def ratio_figure(df: pd.DataFrame, exp: str) -> Figure:
 # --------------------------------------------------------------------------------------------------
 
 
-def reward_figure(df: pd.DataFrame, exp: str) -> Figure:
-    """Mean reward (and pass@k when recorded) per step, mean over seeds with a min-max band."""
-    panels = [("reward_mean", "mean reward (accuracy)")]
+def reward_figure(df: pd.DataFrame, exp: str, pass_k: int | None = None) -> Figure:
+    """Mean reward (and pass@k when recorded) per step, mean over seeds with a min-max band.
+
+    Args:
+        pass_k: the k of the ``pass_at_k`` metric (``rl.pass_k``), named in its panel; None: "pass@k".
+    """
+    k = "k" if pass_k is None else str(pass_k)
+    panels = [("reward_mean", "mean reward", "accuracy (fraction of responses)")]
     if "pass_at_k" in df and df["pass_at_k"].notna().any():
-        panels.append(("pass_at_k", "pass@k"))
+        panels.append(("pass_at_k", f"pass@{k}", f"pass@{k} (fraction of prompts)"))
     fig = Figure(figsize=(5.5 * len(panels), 3.6), layout="constrained")
     with _rc():
         axes = fig.subplots(1, len(panels), squeeze=False)[0]
-        for ax, (key, label) in zip(axes, panels, strict=True):
+        for ax, (key, title, ylabel) in zip(axes, panels, strict=True):
             stats = per_step_over_seeds(df, key)
             for i, mode in enumerate(_modes(df)):
                 s = stats[stats["mode"] == mode].sort_values("step")
@@ -220,8 +227,8 @@ def reward_figure(df: pd.DataFrame, exp: str) -> Figure:
                     ax.fill_between(s["step"], s["min"], s["max"], color=c, alpha=0.2, lw=0)
             ax.set_xlabel("RL step")
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-            ax.set_ylabel(f"{label} (fraction)")
-            ax.set_title(f"{label} per step")
+            ax.set_ylabel(ylabel)
+            ax.set_title(f"{title} per step")
             ax.grid(True, alpha=0.3)
             ax.legend(loc="best")
         fig.suptitle(f"RL quality, native vs IsoExec ({exp}); band = min..max over seeds")
@@ -251,13 +258,13 @@ def time_figure(df: pd.DataFrame, exp: str) -> Figure:
             bars = ax.bar(pos, means, width, yerr=stds, capsize=3, color=_color(mode, i), label=mode)
             if mode == BASELINE_MODE:
                 continue
-            for bar, key in zip(bars, keys, strict=True):
+            for bar, key, std in zip(bars, keys, stds, strict=True):
                 ov = paired_overhead(df, key)
                 ov = ov.loc[ov["mode"] == mode, "overhead_pct"]
                 if len(ov):
-                    ax.annotate(
+                    ax.annotate(  # above the error bar's cap
                         f"{ov.mean():+.1f}%",
-                        (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                        (bar.get_x() + bar.get_width() / 2, bar.get_height() + std),
                         xytext=(0, 4),
                         textcoords="offset points",
                         ha="center",
@@ -286,13 +293,16 @@ def _rc():
 def write_figures(
     exp_dir: str | Path, modes: Sequence[str] | None = None, seeds: Sequence[int] | None = None
 ) -> list[Path]:
-    """Write ``<exp_dir>/figures/{logprob_diff,is_ratio,reward,time}.{png,pdf}`` from the RL metrics."""
+    """Write ``<exp_dir>/figures/{logprob_diff,is_ratio,reward,time}.{png,pdf}`` from the RL metrics
+    (and ``rl.pass_k`` from the settings record ``experiment.json`` when there is one)."""
     exp_dir = Path(exp_dir)
     df = load_metrics(exp_dir, modes, seeds)
     out = exp_dir / "figures"
     exp = exp_dir.name
+    record = exp_dir / "experiment.json"
+    pass_k = json.loads(record.read_text()).get("rl", {}).get("pass_k") if record.exists() else None
     paths = []
-    for stem, build in (("logprob_diff", logprob_diff_figure), ("is_ratio", ratio_figure), ("reward", reward_figure),
-                        ("time", time_figure)):
+    for stem, build in (("logprob_diff", logprob_diff_figure), ("is_ratio", ratio_figure),
+                        ("reward", partial(reward_figure, pass_k=pass_k)), ("time", time_figure)):
         paths += save_figure(build(df, exp), out, stem)
     return paths
