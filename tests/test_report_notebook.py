@@ -37,3 +37,19 @@ def test_executing_twice_gives_the_same_bytes(tmp_path):
     assert "start_time" not in text and "iopub" not in text and "duration" not in text
     assert INJECTED_ID in [c["id"] for c in nb["cells"]]
     assert nb["metadata"]["papermill"]["parameters"] == {"exp_dir": str(exp)}
+
+
+def test_stream_outputs_split_by_flush_timing_are_joined():
+    import nbformat
+
+    from isoexec.report.notebook import stable_notebook
+
+    def nb(*texts):
+        cell = nbformat.v4.new_code_cell("print(1)", id="c")
+        cell.outputs = [nbformat.v4.new_output("stream", name="stdout", text=t) for t in texts]
+        cell.outputs.append(nbformat.v4.new_output("stream", name="stderr", text="w\n"))
+        return nbformat.v4.new_notebook(cells=[cell])
+
+    one, two = stable_notebook(nb("a\nb\n")), stable_notebook(nb("a", "\nb\n"))  # the same output, split elsewhere
+    assert nbformat.writes(one) == nbformat.writes(two)
+    assert [o["name"] for o in two.cells[0].outputs] == ["stdout", "stderr"]  # other streams stay apart

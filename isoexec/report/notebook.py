@@ -45,7 +45,24 @@ def stable_notebook(nb: Any) -> Any:
             cell.metadata.get("papermill", {}).pop(k, None)
         if INJECTED_ID in cell.metadata.get("tags", []):
             cell["id"] = INJECTED_ID
+        if cell.get("outputs"):
+            cell["outputs"] = _merged_streams(cell["outputs"])
     return nb
+
+
+def _merged_streams(outputs: list) -> list:
+    """Consecutive ``stream`` outputs of one name joined into one: the kernel splits a cell's stdout
+    wherever a flush happened to fall, which differs from one execution to the next."""
+    merged: list = []
+    for out in outputs:
+        prev = merged[-1] if merged else None
+        if (out.get("output_type") == "stream" and prev is not None and prev.get("output_type") == "stream"
+                and prev.get("name") == out.get("name")):
+            text = lambda o: o["text"] if isinstance(o["text"], str) else "".join(o["text"])  # noqa: E731
+            prev["text"] = text(prev) + text(out)
+        else:
+            merged.append(out)
+    return merged
 
 
 def run_notebook(notebook: str | Path, exp_dir: str | Path, out_dir: str | Path) -> list[Path]:
