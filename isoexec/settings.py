@@ -9,7 +9,8 @@ whose settings differ. The user then picks a new ``name`` or deletes ``results/<
 Comparison (:func:`settings_differences`): settings are compared leaf by leaf (``rl.steps``,
 ``trainer.backend.native``). A setting the record does not have (added to the schema after the
 record was written) counts only if it is not at its default; a recorded setting the schema no
-longer has is ignored.
+longer has is ignored. A setting that changed shape (a mapping ``trainer.backend: {native: hf, ...}``
+now a single value ``megatron``, or the reverse) is one difference, reported whole.
 """
 
 from __future__ import annotations
@@ -50,16 +51,32 @@ def settings_differences(recorded: dict[str, Any], cfg: ExperimentConfig) -> lis
     Returns:
         One entry per differing leaf, sorted by key; empty if the settings agree.
     """
-    old, new = _leaves(recorded), _leaves(settings_record(cfg))
+    now = settings_record(cfg)
+    old, new = _leaves(recorded), _leaves(now)
     default = _leaves(settings_record(ExperimentConfig(name=cfg.name)))
-    out = []
-    for key in sorted(new):
+    reshaped = {p for key in old.keys() ^ new.keys() for p in _prefixes(key) if p in old or p in new}
+    out = [f"{key}: {json.dumps(_get(recorded, key))} -> {json.dumps(_get(now, key))}" for key in reshaped]
+    for key in new:
+        if any(p in reshaped for p in _prefixes(key)) or key in reshaped:
+            continue
         if key in old:
             if old[key] != new[key]:
                 out.append(f"{key}: {json.dumps(old[key])} -> {json.dumps(new[key])}")
         elif key in default and new[key] != default[key]:
             out.append(f"{key}: not recorded -> {json.dumps(new[key])}")
-    return out
+    return sorted(out)
+
+
+def _prefixes(key: str) -> list[str]:
+    """``"a.b.c"`` -> ``["a", "a.b"]``."""
+    parts = key.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts))]
+
+
+def _get(record: dict[str, Any], key: str) -> Any:
+    for part in key.split("."):
+        record = record[part]
+    return record
 
 
 def settings_conflict(cfg: ExperimentConfig, config_path: str | Path) -> str | None:

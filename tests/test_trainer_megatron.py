@@ -8,6 +8,8 @@ Model: a tiny Qwen3-Next (GDN + gated attention, MoE with shared expert) whose h
 TP 4; batches of three right-padded sequences, one longer than two GDN chunks (C = 64).
 """
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -247,3 +249,24 @@ def test_isoexec_contract_claims_the_proven_topology_and_refuses_others(unified)
             check_layout(contract, bad)
     with pytest.raises(ClaimViolation, match="tp=8"):  # refused before any process group is needed
         MegatronTrainer(tiny_config(), Layout(tp=8, sp=True), "isoexec", KERNELS)
+
+
+def test_rollout_check_scores_through_the_megatron_group(tmp_path, hf_model, unified):
+    """``isoexec rollout-check`` with ``trainer.backend: megatron`` scores on the layout's gloo ranks:
+    the isoexec TP=2 rows equal the unified model's (hence the engine's), native TP=2 rows differ."""
+    from isoexec.config import TrainerSection, load_config
+    from isoexec.engines.rollout_check import score
+    from isoexec.model.hf import save_hf_model
+
+    ckpt = save_hf_model(hf_model[0].model, tmp_path / "ckpt", torch.bfloat16)
+    cfg = load_config(Path(__file__).parents[1] / "experiments" / "ci-tiny.yaml").model_copy(
+        update={"trainer": TrainerSection(backend="megatron", tp=2), "kernels": KERNELS})
+    ids, cu = _batch()
+    seqs = [ids[a:b].tolist() for a, b in zip(cu.tolist(), cu[1:].tolist())]
+    iso = score(cfg, "isoexec", ckpt, seqs)
+    native = score(cfg, "native", ckpt, seqs)
+    ref = unified[0].trainer_logprobs(ids, cu)
+    refs = [ref[a:b - 1] for a, b in zip(cu.tolist(), cu[1:].tolist())]
+    assert all(torch.equal(x, r) for x, r in zip(iso, refs))
+    print(f"native Megatron TP2 vs isoexec rows: max |diff| {max(_maxdiff(x, r) for x, r in zip(native, refs)):.3e}")
+    assert not all(torch.equal(x, r) for x, r in zip(native, refs))

@@ -39,6 +39,14 @@ def test_differences_name_each_setting_and_ignore_new_settings_at_their_default(
     older = settings_record(a)
     del older["rl"]["steps"], older["engine"]["max_num_seqs"]  # written before these settings existed
     assert settings_differences(older, a) == ["rl.steps: not recorded -> 2"]  # max_num_seqs is at its default
+    assert a.trainer.backend == {"native": "hf", "isoexec": "unified"}  # a per-mode mapping
+    one_value = settings_record(a)
+    one_value["trainer"]["backend"] = "unified"  # the record has one value where the config has a mapping
+    assert settings_differences(one_value, a) == [
+        'trainer.backend: "unified" -> {"native": "hf", "isoexec": "unified"}']
+    unified = a.model_copy(update={"trainer": a.trainer.model_copy(update={"backend": "unified"})})
+    assert settings_differences(settings_record(a), unified) == [
+        'trainer.backend: {"native": "hf", "isoexec": "unified"} -> "unified"']
 
 
 @pytest.mark.skipif(not SNAKEMAKE.exists(), reason="snakemake not installed beside python")

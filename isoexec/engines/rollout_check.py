@@ -2,10 +2,10 @@
 
 For each mode (``native``, ``isoexec``): sample at least ``engine.rollout_check_tokens`` response
 tokens through vLLM from prompts of mixed lengths submitted together (continuous batching and
-chunked prefill as configured), then recompute every sampled token's logprob with the trainer
-(``trainer_score``: native = transformers ``Qwen3NextForCausalLM`` with
-``log_softmax(logits.float() / T)``; isoexec = ``UnifiedModel.trainer_logprobs``), and compare
-bits. Every ``engine.rollout_check_full_vocab_every``-th request also returns full-vocabulary rows
+chunked prefill as configured), then recompute every sampled token's logprob with the mode's trainer
+of ``trainer.backend`` (``trainer_score``; e.g. ``hf``: transformers ``Qwen3NextForCausalLM`` with
+``log_softmax(logits.float() / T)``, ``unified``: ``UnifiedModel.trainer_logprobs``, ``megatron``: the
+Megatron trainer on its TP/EP/SP layout's local gloo ranks), and compare bits. Every ``engine.rollout_check_full_vocab_every``-th request also returns full-vocabulary rows
 (vLLM ``logprobs=V``), compared row by row with the trainer's rows.
 
 Prints one JSON object per mode (``mode, tokens, mismatch_count, mismatch_rate,
@@ -55,16 +55,56 @@ def trainer_rows(trainer: Any, sequences: list[list[int]]) -> list[torch.Tensor]
     return out
 
 
-def compare(mode: str, completions: list[list[Completion]], prompts: list[list[int]], trainer: Any) -> dict[str, Any]:
+def _megatron_rows(rank: int, world_size: int, cfg: ExperimentConfig, mode: str, checkpoint: str,
+                   sequences: list[list[int]]) -> list[torch.Tensor] | None:
+    """One rank of the Megatron trainer group: load ``checkpoint`` and score ``sequences`` (rank 0
+    returns the rows, the others None)."""
+    from isoexec.trainer.factory import load_trainer
+
+    rows = trainer_rows(load_trainer(cfg, mode, checkpoint), sequences)
+    return rows if rank == 0 else None
+
+
+def score(cfg: ExperimentConfig, mode: str, checkpoint: Path, sequences: list[list[int]],
+          model_factory: str | None = None) -> list[torch.Tensor]:
+    """``trainer_score`` rows of ``sequences`` (:func:`trainer_rows`) by ``mode``'s trainer.
+
+    ``trainer.backend: megatron`` runs on the layout's ``world_size`` local gloo ranks
+    (:func:`isoexec.trainer.megatron.launch.run`), as in training; the other backends in this process. A
+    ``model_factory`` (tests: a stand-in model) is the isoexec trainer.
+    """
+    if model_factory is not None and mode == "isoexec":
+        from .vllm_plugin import resolve
+
+        return trainer_rows(resolve(model_factory).from_pretrained(checkpoint, kernel_set="isoexec",
+                                                                   kernels=cfg.kernels), sequences)
+    if cfg.trainer.backend_for(mode) == "megatron":
+        from isoexec.trainer.megatron.launch import run
+
+        return run(_megatron_rows, cfg.trainer.layout().world_size, cfg, mode, str(checkpoint), sequences)[0]
+    from isoexec.trainer.factory import load_trainer
+
+    return trainer_rows(load_trainer(cfg, mode, checkpoint), sequences)
+
+
+def compare(mode: str, completions: list[list[Completion]], prompts: list[list[int]], trainer: Any = None,
+            rows: list[torch.Tensor] | None = None) -> dict[str, Any]:
     """Metrics of DESIGN section 4 for engine vs trainer logprobs of the sampled tokens.
 
     Args:
         completions: per prompt its samples (as :meth:`RolloutEngine.generate` returns them).
-        prompts: the prompt token ids. trainer: anything with ``trainer_logprobs``.
+        prompts: the prompt token ids. trainer: anything with ``trainer_logprobs``, which scores them.
+        rows: instead of ``trainer``, the rows already scored (:func:`score`: ``[len-1, V]`` fp32 per
+            ``prompt + sample``, in that order).
+
+    Raises:
+        ValueError: neither or both of ``trainer`` and ``rows``.
     """
+    if (trainer is None) == (rows is None):
+        raise ValueError("compare needs exactly one of trainer (to score) or rows (already scored)")
     samples = [(p, c) for p, group in zip(prompts, completions) for c in group]
-    seqs = [p + c.token_ids for p, c in samples]
-    rows = trainer_rows(trainer, seqs)
+    if rows is None:
+        rows = trainer_rows(trainer, [p + c.token_ids for p, c in samples])
     lr, lt, full_eq, full_n, kls = [], [], 0, 0, []
     for (prompt, c), r in zip(samples, rows):
         p = len(prompt)
@@ -128,15 +168,8 @@ def run_mode(
         routing = engine.cache_state() if mode == "isoexec" else None
     finally:
         engine.shutdown()
-    if model_factory is not None and mode == "isoexec":  # a stand-in model (tests) is also the trainer
-        from .vllm_plugin import resolve
-
-        trainer = resolve(model_factory).from_pretrained(checkpoint, kernel_set="isoexec", kernels=cfg.kernels)
-    else:
-        from isoexec.trainer.factory import load_trainer
-
-        trainer = load_trainer(cfg, mode, checkpoint)
-    res = compare(mode, samples, prompts, trainer)
+    seqs = [p + c.token_ids for p, group in zip(prompts, samples) for c in group]
+    res = compare(mode, samples, prompts, rows=score(cfg, mode, checkpoint, seqs, model_factory))
     if res["tokens"] < e.rollout_check_tokens:
         raise RuntimeError(f"{mode}: sampled {res['tokens']} response tokens, fewer than "
                            f"engine.rollout_check_tokens={e.rollout_check_tokens}")
