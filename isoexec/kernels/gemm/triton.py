@@ -36,30 +36,44 @@ from isoexec.kernels.autograd import with_ref_grad
 DOT_PRECISION = "ieee"  # bf16 x bf16 -> fp32 on the tensor cores; fp32 as a true fp32 dot (no tf32)
 
 
+@triton.jit
+def _swizzle(tile, M, N, BM: tl.constexpr, BN: tl.constexpr, GM: tl.constexpr):
+    """(row tile, column tile) of output tile number ``tile``: groups of GM row tiles walk the columns
+    together (L2 reuse of the weight tiles)."""
+    n_tm = tl.cdiv(M, BM)
+    width = GM * tl.cdiv(N, BN)
+    first = (tile // width) * GM
+    gsz = tl.minimum(n_tm - first, GM)
+    return first + (tile % width) % gsz, (tile % width) // gsz
+
+
+@triton.jit
+def _program_tile(pid, M, N, w_ptr, stride_we, tile_e_ptr, tile_r0_ptr, tile_r1_ptr,
+                  GROUPED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, GM: tl.constexpr):
+    """(first row, row end, column tile, weight pointer) of program ``pid``: a swizzled tile of the whole
+    ``[M, N]`` output, or (``GROUPED``) row tile ``pid // n_tn`` of the per-expert table with its expert's
+    weight."""
+    if GROUPED:
+        n_tn = tl.cdiv(N, BN)
+        pid_m = pid // n_tn
+        pid_n = pid % n_tn
+        r0 = tl.load(tile_r0_ptr + pid_m)
+        r1 = tl.load(tile_r1_ptr + pid_m)
+        w_ptr = w_ptr + tl.load(tile_e_ptr + pid_m).to(tl.int64) * stride_we
+    else:
+        pid_m, pid_n = _swizzle(pid, M, N, BM, BN, GM)
+        r0 = pid_m * BM
+        r1 = M
+    return r0, r1, pid_n, w_ptr
+
+
 @triton.jit(do_not_specialize=["M", "n_tiles"])  # M varies with the batch; N, K are weight shapes
 def _gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, stride_we,
                  tile_e_ptr, tile_r0_ptr, tile_r1_ptr, n_tiles,
                  GROUPED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                  GM: tl.constexpr, PREC: tl.constexpr):
-    pid = tl.program_id(0)
-    n_tn = tl.cdiv(N, BN)
-    if GROUPED:
-        pid_m = pid // n_tn
-        pid_n = pid % n_tn
-        e = tl.load(tile_e_ptr + pid_m).to(tl.int64)
-        r0 = tl.load(tile_r0_ptr + pid_m)
-        r1 = tl.load(tile_r1_ptr + pid_m)
-        w_ptr = w_ptr + e * stride_we
-    else:
-        n_tm = tl.cdiv(M, BM)
-        width = GM * n_tn
-        gid = pid // width
-        first = gid * GM
-        gsz = tl.minimum(n_tm - first, GM)
-        pid_m = first + (pid % width) % gsz
-        pid_n = (pid % width) // gsz
-        r0 = pid_m * BM
-        r1 = M
+    r0, r1, pid_n, w_ptr = _program_tile(tl.program_id(0), M, N, w_ptr, stride_we, tile_e_ptr, tile_r0_ptr,
+                                         tile_r1_ptr, GROUPED, BM, BN, GM)
     rows = r0 + tl.arange(0, BM)
     cols = pid_n * BN + tl.arange(0, BN)
     rmask = rows < r1
@@ -81,16 +95,9 @@ def _gemm_tma_kernel(x_desc, w_desc, y_ptr, M, N, K, stride_ym,
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GM: tl.constexpr,
                      NUM_SMS: tl.constexpr, PREC: tl.constexpr):
     start = tl.program_id(0)
-    n_tm = tl.cdiv(M, BM)
-    n_tn = tl.cdiv(N, BN)
-    n_tiles = n_tm * n_tn
-    width = GM * n_tn
+    n_tiles = tl.cdiv(M, BM) * tl.cdiv(N, BN)
     for tile in tl.range(start, n_tiles, NUM_SMS, flatten=True):
-        gid = tile // width
-        first = gid * GM
-        gsz = tl.minimum(n_tm - first, GM)
-        pid_m = first + (tile % width) % gsz
-        pid_n = (tile % width) // gsz
+        pid_m, pid_n = _swizzle(tile, M, N, BM, BN, GM)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         for k0 in range(0, K, BK):
             a = x_desc.load([pid_m * BM, k0])  # out-of-range rows and K columns read as zeros
@@ -102,37 +109,21 @@ def _gemm_tma_kernel(x_desc, w_desc, y_ptr, M, N, K, stride_ym,
                  mask=(rows < M)[:, None] & (cols < N)[None, :])
 
 
-# ``kpl`` (K steps per leaf) is a run-time loop bound on purpose: with a compile-time bound of 1 the leaf
-# loop folds away, its dot starts from a literal zero, and Triton's dot-combine pattern folds the next tree
-# addition into that dot's accumulator (``dot(a, b, 0) + s -> dot(a, b, s)``), which changes the bits of the
-# in-register tree against the one-leaf-per-program launch (seen on the H200 for leaves of one 64-wide K
-# step; the sm90 TTGIR then has 3 instead of 7 tile additions for 8 leaves).
+# The leaves run as one flat K loop (not one loop per leaf: per-leaf loops re-fill the software pipeline at
+# every leaf, which cost 1.2-2x on the H200 at the model's shapes). ``kpl`` (K steps per leaf) is a run-time
+# bound on purpose: with a compile-time kpl of 1 every dot would start from a literal zero, and Triton's
+# dot-combine pattern folds the next tree addition into that dot's accumulator
+# (``dot(a, b, 0) + s -> dot(a, b, s)``), which changes the bits of the in-register tree against the
+# one-leaf-per-program launch (seen on the H200 for leaves of one 64-wide K step with unrolled leaves).
 @triton.jit(do_not_specialize=["M", "n_tiles", "kpl"])
 def _leaf_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, stride_xm, stride_wn, stride_ym, stride_we, stride_ys,
                       tile_e_ptr, tile_r0_ptr, tile_r1_ptr, n_tiles, kpl,
                       LEAF_K: tl.constexpr, LPP: tl.constexpr, GROUPED: tl.constexpr, BM: tl.constexpr,
                       BN: tl.constexpr, BK: tl.constexpr, GM: tl.constexpr, PREC: tl.constexpr):
     # program (tile, s): output tile ``tile`` summed over the subtree s of LPP leaves (K offset s*LPP*LEAF_K)
-    pid = tl.program_id(0)
     sub = tl.program_id(1)
-    n_tn = tl.cdiv(N, BN)
-    if GROUPED:
-        pid_m = pid // n_tn
-        pid_n = pid % n_tn
-        e = tl.load(tile_e_ptr + pid_m).to(tl.int64)
-        r0 = tl.load(tile_r0_ptr + pid_m)
-        r1 = tl.load(tile_r1_ptr + pid_m)
-        w_ptr = w_ptr + e * stride_we
-    else:
-        n_tm = tl.cdiv(M, BM)
-        width = GM * n_tn
-        gid = pid // width
-        first = gid * GM
-        gsz = tl.minimum(n_tm - first, GM)
-        pid_m = first + (pid % width) % gsz
-        pid_n = (pid % width) // gsz
-        r0 = pid_m * BM
-        r1 = M
+    r0, r1, pid_n, w_ptr = _program_tile(tl.program_id(0), M, N, w_ptr, stride_we, tile_e_ptr, tile_r0_ptr,
+                                         tile_r1_ptr, GROUPED, BM, BN, GM)
     rows = r0 + tl.arange(0, BM)
     cols = pid_n * BN + tl.arange(0, BN)
     rmask = rows < r1
@@ -143,28 +134,32 @@ def _leaf_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, stride_xm, stride_wn, stride_ym
     s0 = tl.zeros((BM, BN), dtype=tl.float32)
     s1 = tl.zeros((BM, BN), dtype=tl.float32)
     s2 = tl.zeros((BM, BN), dtype=tl.float32)
-    for j in tl.static_range(LPP):  # leaves unrolled: each leaf is one plain (pipelined) K loop
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for it in range(0, kpl):  # kpl = cdiv(LEAF_K, BK)
-            kl = it * BK + tl.arange(0, BK)  # K offset within the leaf
-            ks = k_base + j * LEAF_K + kl
-            kmask = kl < LEAF_K
-            a = tl.load(x_ptr + rows64[:, None] * stride_xm + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-            b = tl.load(w_ptr + cols64[None, :] * stride_wn + ks[:, None], mask=kmask[:, None] & cmask[None, :], other=0.0)
-            acc = tl.dot(a, b, acc, input_precision=PREC)
-        # leaf j complete: climb the tree while j's bit at that level is 1 (j is a compile-time constant)
-        if j % 2 == 0:
-            s0 = acc
-        else:
-            n1 = s0 + acc
-            if (j // 2) % 2 == 0:
-                s1 = n1
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    # one flat K loop over all LPP leaves (software-pipelined across leaf boundaries); leaf j's K step
+    # ``it`` runs at iteration t = j * kpl + it, and at its last step the leaf climbs the tree
+    for t in range(0, LPP * kpl):
+        j = t // kpl
+        it = t - j * kpl
+        kl = it * BK + tl.arange(0, BK)  # K offset within the leaf
+        ks = k_base + j * LEAF_K + kl
+        kmask = kl < LEAF_K
+        a = tl.load(x_ptr + rows64[:, None] * stride_xm + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+        b = tl.load(w_ptr + cols64[None, :] * stride_wn + ks[:, None], mask=kmask[:, None] & cmask[None, :], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=PREC)
+        if it == kpl - 1:  # leaf j complete: climb the tree while j's bit at that level is 1
+            if j % 2 == 0:
+                s0 = acc
             else:
-                n2 = s1 + n1
-                if (j // 4) % 2 == 0:
-                    s2 = n2
+                n1 = s0 + acc
+                if (j // 2) % 2 == 0:
+                    s1 = n1
                 else:
-                    s0 = s2 + n2  # the root of 8 leaves (s0 is free again)
+                    n2 = s1 + n1
+                    if (j // 4) % 2 == 0:
+                        s2 = n2
+                    else:
+                        s0 = s2 + n2  # the root of 8 leaves (s0 is free again)
+            acc = tl.zeros((BM, BN), dtype=tl.float32)  # the next leaf starts from zero
     if LPP == 2:
         res = s1
     elif LPP == 4:
