@@ -52,14 +52,16 @@ def test_constant_one_step_leaf_loop_folds_the_tree_add_into_the_dot_negative_co
     assert dots == 2 and adds == 0
 
 
+@pytest.mark.parametrize("flat", [False, True], ids=["unrolled", "flat"])
 @pytest.mark.parametrize("leaf_k", [64, 128])
-def test_leaf_gemm_in_register_tree_keeps_every_addition_for_sm90(leaf_k):
+def test_leaf_gemm_in_register_tree_keeps_every_addition_for_sm90(leaf_k, flat):
     from isoexec.kernels.gemm.triton import _leaf_gemm_kernel
 
     sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*fp32", "M": "i32", "N": "i32", "stride_xm": "i32",
            "stride_wn": "i32", "stride_ym": "i32", "stride_we": "i32", "stride_ys": "i32", "tile_e_ptr": "*i32",
            "tile_r0_ptr": "*i32", "tile_r1_ptr": "*i32", "n_tiles": "i32", "kpl": "i32"}
-    consts = {"LEAF_K": leaf_k, "LPP": 8, "GROUPED": False, "BM": 128, "BN": 64, "BK": 64, "GM": 8, "PREC": "ieee"}
-    # one dot in the flat K loop; the tree's three levels each keep their fp32 tile addition (a folded
-    # addition would disappear into the dot's accumulator)
-    assert _tile_addf(_leaf_gemm_kernel, sig, consts) == (1, 3)
+    consts = {"LEAF_K": leaf_k, "LPP": 8, "FLAT": flat, "GROUPED": False, "BM": 128, "BN": 64, "BK": 64, "GM": 8,
+              "PREC": "ieee"}
+    # unrolled: 8 leaf loops, 7 tree additions; flat: one K loop whose leaf ends climb the tree's three
+    # levels (one addition each). A folded addition would disappear into a dot's accumulator.
+    assert _tile_addf(_leaf_gemm_kernel, sig, consts) == ((1, 3) if flat else (8, 7))

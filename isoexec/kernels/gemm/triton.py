@@ -109,17 +109,38 @@ def _gemm_tma_kernel(x_desc, w_desc, y_ptr, M, N, K, stride_ym,
                  mask=(rows < M)[:, None] & (cols < N)[None, :])
 
 
-# The leaves run as one flat K loop (not one loop per leaf: per-leaf loops re-fill the software pipeline at
-# every leaf, which cost 1.2-2x on the H200 at the model's shapes). ``kpl`` (K steps per leaf) is a run-time
-# bound on purpose: with a compile-time kpl of 1 every dot would start from a literal zero, and Triton's
-# dot-combine pattern folds the next tree addition into that dot's accumulator
+@triton.jit
+def _tree_climb(j, acc, s0, s1, s2):
+    """Leaf ``j``'s fp32 partial ``acc`` is complete: climb the adjacent-pairs tree while j's bit at that
+    level is 1 (a binary counter). Level l's pending node is kept in ``s<l>``; returns the new (s0, s1, s2)."""
+    if j % 2 == 0:
+        s0 = acc
+    else:
+        n1 = s0 + acc
+        if (j // 2) % 2 == 0:
+            s1 = n1
+        else:
+            n2 = s1 + n1
+            if (j // 4) % 2 == 0:
+                s2 = n2
+            else:
+                s0 = s2 + n2  # the root of 8 leaves (s0 is free again)
+    return s0, s1, s2
+
+
+# Two loop shapes, the same additions in the same order (``FLAT`` is chosen by the host, not bit-relevant):
+# one flat K loop over the leaves (software-pipelined across leaf boundaries: 0.55-0.75x the time of per-leaf
+# loops on the H200 when leaves are several K steps long), or the leaves unrolled with one K loop each
+# (faster for one-step leaves and one-leaf programs, measured in ``results/h200/variants_leaf.csv``). ``kpl``
+# (K steps per leaf) is a run-time bound on purpose: with a compile-time kpl of 1 a leaf's dot starts from
+# a literal zero, and Triton's dot-combine pattern folds the next tree addition into that dot's accumulator
 # (``dot(a, b, 0) + s -> dot(a, b, s)``), which changes the bits of the in-register tree against the
-# one-leaf-per-program launch (seen on the H200 for leaves of one 64-wide K step with unrolled leaves).
+# one-leaf-per-program launch (seen on the H200 for leaves of one 64-wide K step).
 @triton.jit(do_not_specialize=["M", "n_tiles", "kpl"])
 def _leaf_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, stride_xm, stride_wn, stride_ym, stride_we, stride_ys,
                       tile_e_ptr, tile_r0_ptr, tile_r1_ptr, n_tiles, kpl,
-                      LEAF_K: tl.constexpr, LPP: tl.constexpr, GROUPED: tl.constexpr, BM: tl.constexpr,
-                      BN: tl.constexpr, BK: tl.constexpr, GM: tl.constexpr, PREC: tl.constexpr):
+                      LEAF_K: tl.constexpr, LPP: tl.constexpr, FLAT: tl.constexpr, GROUPED: tl.constexpr,
+                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GM: tl.constexpr, PREC: tl.constexpr):
     # program (tile, s): output tile ``tile`` summed over the subtree s of LPP leaves (K offset s*LPP*LEAF_K)
     sub = tl.program_id(1)
     r0, r1, pid_n, w_ptr = _program_tile(tl.program_id(0), M, N, w_ptr, stride_we, tile_e_ptr, tile_r0_ptr,
@@ -134,32 +155,31 @@ def _leaf_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, stride_xm, stride_wn, stride_ym
     s0 = tl.zeros((BM, BN), dtype=tl.float32)
     s1 = tl.zeros((BM, BN), dtype=tl.float32)
     s2 = tl.zeros((BM, BN), dtype=tl.float32)
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
-    # one flat K loop over all LPP leaves (software-pipelined across leaf boundaries); leaf j's K step
-    # ``it`` runs at iteration t = j * kpl + it, and at its last step the leaf climbs the tree
-    for t in range(0, LPP * kpl):
-        j = t // kpl
-        it = t - j * kpl
-        kl = it * BK + tl.arange(0, BK)  # K offset within the leaf
-        ks = k_base + j * LEAF_K + kl
-        kmask = kl < LEAF_K
-        a = tl.load(x_ptr + rows64[:, None] * stride_xm + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-        b = tl.load(w_ptr + cols64[None, :] * stride_wn + ks[:, None], mask=kmask[:, None] & cmask[None, :], other=0.0)
-        acc = tl.dot(a, b, acc, input_precision=PREC)
-        if it == kpl - 1:  # leaf j complete: climb the tree while j's bit at that level is 1
-            if j % 2 == 0:
-                s0 = acc
-            else:
-                n1 = s0 + acc
-                if (j // 2) % 2 == 0:
-                    s1 = n1
-                else:
-                    n2 = s1 + n1
-                    if (j // 4) % 2 == 0:
-                        s2 = n2
-                    else:
-                        s0 = s2 + n2  # the root of 8 leaves (s0 is free again)
-            acc = tl.zeros((BM, BN), dtype=tl.float32)  # the next leaf starts from zero
+    if FLAT:  # one K loop over all LPP leaves, pipelined across leaf boundaries (iteration t = j * kpl + it)
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for t in range(0, LPP * kpl):
+            j = t // kpl
+            it = t - j * kpl
+            kl = it * BK + tl.arange(0, BK)  # K offset within the leaf
+            ks = k_base + j * LEAF_K + kl
+            kmask = kl < LEAF_K
+            a = tl.load(x_ptr + rows64[:, None] * stride_xm + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+            b = tl.load(w_ptr + cols64[None, :] * stride_wn + ks[:, None], mask=kmask[:, None] & cmask[None, :], other=0.0)
+            acc = tl.dot(a, b, acc, input_precision=PREC)
+            if it == kpl - 1:
+                s0, s1, s2 = _tree_climb(j, acc, s0, s1, s2)
+                acc = tl.zeros((BM, BN), dtype=tl.float32)  # the next leaf starts from zero
+    else:
+        for j in tl.static_range(LPP):  # leaves unrolled: each leaf is one plain (pipelined) K loop
+            acc = tl.zeros((BM, BN), dtype=tl.float32)
+            for it in range(0, kpl):
+                kl = it * BK + tl.arange(0, BK)
+                ks = k_base + j * LEAF_K + kl
+                kmask = kl < LEAF_K
+                a = tl.load(x_ptr + rows64[:, None] * stride_xm + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+                b = tl.load(w_ptr + cols64[None, :] * stride_wn + ks[:, None], mask=kmask[:, None] & cmask[None, :], other=0.0)
+                acc = tl.dot(a, b, acc, input_precision=PREC)
+            s0, s1, s2 = _tree_climb(j, acc, s0, s1, s2)
     if LPP == 2:
         res = s1
     elif LPP == 4:
@@ -363,10 +383,12 @@ def _launch_leaves(x, w, y, counts, cfg, leaf_k: int, lpp: int, n_sub: int):
     R = x.shape[0]
     N = w.shape[-2]
     stride_ys = R * N
+    kpl = triton.cdiv(leaf_k, BK)
+    flat = lpp > 1 and kpl > 1
     if counts is None:
         grid = (triton.cdiv(R, BM) * triton.cdiv(N, BN), n_sub)
-        _leaf_gemm_kernel[grid](x, w, y, R, N, x.stride(0), w.stride(0), N, 0, stride_ys, x, x, x, 0, triton.cdiv(leaf_k, BK),
-                                LEAF_K=leaf_k, LPP=lpp, GROUPED=False, BM=BM, BN=BN, BK=BK, GM=cfg.gemm_group_m,
+        _leaf_gemm_kernel[grid](x, w, y, R, N, x.stride(0), w.stride(0), N, 0, stride_ys, x, x, x, 0, kpl,
+                                LEAF_K=leaf_k, LPP=lpp, FLAT=flat, GROUPED=False, BM=BM, BN=BN, BK=BK, GM=cfg.gemm_group_m,
                                 PREC=DOT_PRECISION, num_warps=nw, num_stages=ns)
         return
     meta, n_t = _group_tiles(counts, BM, x.device)
@@ -374,8 +396,8 @@ def _launch_leaves(x, w, y, counts, cfg, leaf_k: int, lpp: int, n_sub: int):
         return
     grid = (n_t * triton.cdiv(N, BN), n_sub)
     _leaf_gemm_kernel[grid](x, w, y, R, N, x.stride(0), w.stride(1), N, w.stride(0), stride_ys, meta[0], meta[1], meta[2],
-                            n_t, triton.cdiv(leaf_k, BK), LEAF_K=leaf_k, LPP=lpp, GROUPED=True, BM=BM, BN=BN, BK=BK, GM=cfg.gemm_group_m,
-                            PREC=DOT_PRECISION, num_warps=nw, num_stages=ns)
+                            n_t, kpl, LEAF_K=leaf_k, LPP=lpp, FLAT=flat, GROUPED=True, BM=BM, BN=BN, BK=BK,
+                            GM=cfg.gemm_group_m, PREC=DOT_PRECISION, num_warps=nw, num_stages=ns)
 
 
 def _leaves(x, w, counts, cfg, leaves, out_dtype, split: bool | None):
