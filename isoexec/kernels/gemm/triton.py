@@ -129,13 +129,14 @@ def _tree_climb(j, acc, s0, s1, s2):
 
 
 # Two loop shapes, the same additions in the same order (``FLAT`` is chosen by the host, not bit-relevant):
-# one flat K loop over the leaves (software-pipelined across leaf boundaries: 0.55-0.75x the time of per-leaf
-# loops on the H200 when leaves are several K steps long), or the leaves unrolled with one K loop each
-# (faster for one-step leaves and one-leaf programs, measured in ``results/h200/variants_leaf.csv``). ``kpl``
-# (K steps per leaf) is a run-time bound on purpose: with a compile-time kpl of 1 a leaf's dot starts from
-# a literal zero, and Triton's dot-combine pattern folds the next tree addition into that dot's accumulator
-# (``dot(a, b, 0) + s -> dot(a, b, s)``), which changes the bits of the in-register tree against the
-# one-leaf-per-program launch (seen on the H200 for leaves of one 64-wide K step).
+# one flat K loop over the leaves, software-pipelined across leaf boundaries, for several leaves of several K
+# steps each; or the leaves unrolled with one K loop each, for one-leaf programs (the split launch, where
+# the flat loop took 1.3x the time on the H200) and one-step leaves (where the flat-everywhere run at 39f5f77
+# took 0.77x: the next rule to pin, once a GPU gate run covers it; ``results/h200/leaf_gemm/README.md``).
+# ``kpl`` (K steps per leaf) is a run-time bound on purpose: with a compile-time kpl of 1 a leaf's dot starts
+# from a literal zero, and Triton's dot-combine pattern folds the next tree addition into that dot's
+# accumulator (``dot(a, b, 0) + s -> dot(a, b, s)``), which changes the bits of the in-register tree against
+# the one-leaf-per-program launch (seen on the H200 for leaves of one 64-wide K step).
 @triton.jit(do_not_specialize=["M", "n_tiles", "kpl"])
 def _leaf_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, stride_xm, stride_wn, stride_ym, stride_we, stride_ys,
                       tile_e_ptr, tile_r0_ptr, tile_r1_ptr, n_tiles, kpl,
@@ -179,20 +180,7 @@ def _leaf_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, stride_xm, stride_wn, stride_ym
                 a = tl.load(x_ptr + rows64[:, None] * stride_xm + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
                 b = tl.load(w_ptr + cols64[None, :] * stride_wn + ks[:, None], mask=kmask[:, None] & cmask[None, :], other=0.0)
                 acc = tl.dot(a, b, acc, input_precision=PREC)
-            # the same climb as _tree_climb, written out: j is a compile-time constant here, and through the
-            # helper this path ran 1.7x slower on the H200 (one-step leaves, h200 shared(down))
-            if j % 2 == 0:
-                s0 = acc
-            else:
-                n1 = s0 + acc
-                if (j // 2) % 2 == 0:
-                    s1 = n1
-                else:
-                    n2 = s1 + n1
-                    if (j // 4) % 2 == 0:
-                        s2 = n2
-                    else:
-                        s0 = s2 + n2
+            s0, s1, s2 = _tree_climb(j, acc, s0, s1, s2)
     if LPP == 2:
         res = s1
     elif LPP == 4:
