@@ -23,3 +23,28 @@ def test_bench_leaves_committed_results_alone(tmp_path, monkeypatch):
                                           "--out-dir", "results/ci-tiny/bench"])
     assert on_purpose.exit_code == 0, on_purpose.output
     assert (tmp_path / "results" / "ci-tiny" / "bench" / "model_throughput.csv").is_file()
+
+
+def test_pik_row_parallel_bench_checks_bits_beside_the_times():
+    """The row-parallel table of a Megatron experiment's bench: pik at TP=2 equals pik on the full
+    tensors; Megatron's GEMM + all_reduce differs from the full GEMM (the negative control)."""
+    import torch
+
+    from isoexec.bench.megatron_cpu import row_parallel_shapes, row_parallel_times
+    from isoexec.config import load_config
+
+    model = load_config(ROOT / "experiments" / "cpu-tiny.yaml").model
+    shapes = row_parallel_shapes(model, trainer_rows=64, decode_rows=4)
+    assert [s[0] for s in shapes[::2]] == ["attn.out_proj", "gdn.out_proj", "mlp.shared_expert(down)"]
+    rows = row_parallel_times(shapes, leaves=8, row_tile=16, dtype=torch.bfloat16, tp=2, repeats=2)
+    assert len(rows) == len(shapes)
+    assert all(r["pik_tp_equal_tp1"] for r in rows), rows
+    assert not all(r["native_tp_equal_tp1"] for r in rows), rows
+    assert all(r["pik_ms"] > 0 and r["native_ms"] > 0 for r in rows)
+
+
+def test_layout_names():
+    from isoexec.trainer.megatron.config import Layout
+
+    assert [lay.name for lay in (Layout(), Layout(tp=2, sp=True), Layout(ep=2), Layout(tp=2, sp=True, ep=2))] == [
+        "tp1", "tp2_sp", "ep2", "tp2_sp_ep2"]

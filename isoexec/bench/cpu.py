@@ -4,7 +4,9 @@
 Cases: ``trainer_score`` (packed forward, no autograd), ``trainer_fwd`` (forward + backward),
 ``engine_prefill`` (whole prompts), ``engine_decode`` (one token per sequence per step from caches).
 Writes ``model_throughput.csv`` and ``model_throughput.provenance.json`` under ``runs/<exp>/bench/`` (not
-committed) or the ``--out-dir`` given; the committed reference is ``results/cpu-tiny/bench/``.
+committed) or the ``--out-dir`` given; the committed reference is ``results/cpu-tiny/bench/``. When the
+experiment trains with Megatron (``trainer.backend: megatron``), also the trainer-step and pik
+row-parallel tables of :mod:`isoexec.bench.megatron_cpu` (``megatron_step.csv``, ``pik_row_parallel.csv``).
 """
 
 from __future__ import annotations
@@ -110,4 +112,12 @@ def bench_command(
         typer.echo(f"{case:15s} native {row['native_tok_s']:9.1f} tok/s  isoexec {row['isoexec_tok_s']:9.1f} tok/s  "
                    f"time ratio {row['time_ratio_isoexec_over_native']:.2f}x")
     write_csv(out / "model_throughput.csv", rows)
-    atomic_write_text(out / "model_throughput.provenance.json", json.dumps(provenance(), indent=2, sort_keys=True) + "\n")
+    prov = json.dumps(provenance(), indent=2, sort_keys=True) + "\n"
+    atomic_write_text(out / "model_throughput.provenance.json", prov)
+    if "megatron" in {cfg.trainer.backend_for(m) for m in cfg.rl.modes}:
+        from isoexec.bench.megatron_cpu import megatron_bench
+
+        for name, table in megatron_bench(cfg, out, repeats, batch, seq_len).items():
+            atomic_write_text(out / f"{name}.provenance.json", prov)
+            for r in table:
+                typer.echo(f"{name}: " + "  ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in r.items()))

@@ -53,6 +53,15 @@ class Layout:
     def world_size(self) -> int:
         return max(self.tp, self.ep * self.expert_tp)
 
+    @property
+    def name(self) -> str:
+        """Short name for tables: ``tp1``, ``tp2_sp``, ``ep2``, ``tp2_sp_ep2`` (``_etp<n>`` when set)."""
+        parts = [f"tp{self.tp}"] if self.tp > 1 or self.ep == 1 else []
+        parts += ["sp"] if self.sp else []
+        parts += [f"ep{self.ep}"] if self.ep > 1 else []
+        parts += [f"etp{self.etp}"] if self.etp is not None else []
+        return "_".join(parts)
+
     def degrees(self) -> dict[str, int]:
         """The degrees as :func:`isoexec.contract.check_topology` takes them: ``tp``, ``ep``, ``sp``
         (``tp`` under sequence parallelism, else 1) and ``dp`` (replicas of each TP shard)."""
