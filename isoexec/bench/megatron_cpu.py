@@ -161,21 +161,21 @@ def row_parallel_times(shapes: list[tuple[str, int, int, int]], leaves: int, row
 def megatron_bench(cfg, out, repeats: int, batch: int, seq_len: int) -> dict[str, list[dict]]:
     """Both tables for experiment ``cfg`` (an ``ExperimentConfig``) written under ``out``.
 
-    The model is ``cfg.model`` with random weights (:func:`isoexec.model.hf.build_checkpoint`'s init);
+    The model is ``cfg.model`` with random weights (a checkpoint of :func:`isoexec.model.hf.build_checkpoint`);
     the steps run ``batch`` sequences of ``seq_len`` tokens; the row-parallel GEMMs run at
     ``batch * seq_len`` trainer rows and ``batch`` decode rows.
 
     Returns:
         ``{"megatron_step": rows, "pik_row_parallel": rows}`` as written to ``<out>/<name>.csv``.
     """
-    from transformers import Qwen3NextForCausalLM
+    import tempfile
 
     from isoexec.io import write_csv
-    from isoexec.model.hf import hf_config
+    from isoexec.model.hf import build_checkpoint, read_config, read_weights
 
-    hf_cfg = hf_config(cfg.model)
-    torch.manual_seed(0)
-    state = {k: v.detach().to(getattr(torch, cfg.model.dtype)) for k, v in Qwen3NextForCausalLM(hf_cfg).float().state_dict().items()}
+    with tempfile.TemporaryDirectory() as tmp:  # the on-disk checkpoint names, as training loads them
+        ckpt = build_checkpoint(f"{tmp}/init", cfg.model)
+        hf_cfg, state = read_config(ckpt), read_weights(ckpt)
     layouts = {lay.name: lay for lay in (Layout(), cfg.trainer.layout())}
     tables = {
         "megatron_step": step_times(hf_cfg, state, layouts, kernels=cfg.kernels, batch_size=batch, seq_len=seq_len,
