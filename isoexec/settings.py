@@ -49,7 +49,7 @@ def settings_differences(recorded: dict[str, Any], cfg: ExperimentConfig) -> lis
         cfg: the config to run now.
 
     Returns:
-        One entry per differing leaf, sorted by key; empty if the settings agree.
+        One entry per differing leaf or reshaped setting, sorted; empty if the settings agree.
     """
     now = settings_record(cfg)
     old, new = _leaves(recorded), _leaves(now)

@@ -3,10 +3,11 @@
 For each mode (``native``, ``isoexec``): sample at least ``engine.rollout_check_tokens`` response
 tokens through vLLM from prompts of mixed lengths submitted together (continuous batching and
 chunked prefill as configured), then recompute every sampled token's logprob with the mode's trainer
-of ``trainer.backend`` (``trainer_score``; e.g. ``hf``: transformers ``Qwen3NextForCausalLM`` with
+of ``trainer.backend`` (``trainer_score``; ``hf``: transformers ``Qwen3NextForCausalLM`` with
 ``log_softmax(logits.float() / T)``, ``unified``: ``UnifiedModel.trainer_logprobs``, ``megatron``: the
-Megatron trainer on its TP/EP/SP layout's local gloo ranks), and compare bits. Every ``engine.rollout_check_full_vocab_every``-th request also returns full-vocabulary rows
-(vLLM ``logprobs=V``), compared row by row with the trainer's rows.
+Megatron trainer on its TP/EP/SP layout's local gloo ranks), and compare bits. Every
+``engine.rollout_check_full_vocab_every``-th request also returns full-vocabulary rows (vLLM
+``logprobs=V``), compared row by row with the trainer's rows.
 
 Prints one JSON object per mode (``mode, tokens, mismatch_count, mismatch_rate,
 logprob_abs_diff_mean/std/max, full_vocab_rows, full_vocab_rows_equal, full_vocab_kl_mean, ...``)
