@@ -447,13 +447,18 @@ def _section_fields(loc: tuple) -> list[str]:
 
 def validation_summary(e: ValidationError) -> str:
     """Every problem of a pydantic ``ValidationError`` on one line: ``key=value: what is allowed; ...``."""
-    parts = []
+    by_key: dict[str, list] = {}  # key -> [the given value shown, messages]
     for err in e.errors(include_url=False):
-        key = ".".join(str(p) for p in err["loc"])
+        # a union's members appear as extra location parts (``literal['hf',...]``): one key, its messages joined
+        key = ".".join(str(p) for p in err["loc"] if not (isinstance(p, str) and "[" in p))
         given = f"={err['input']!r}" if key and err["type"] not in ("missing", "model_type", "dict_type") else ""
         msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
             allowed = _section_fields(err["loc"][:-1])
             msg = "unknown key" + (f"; allowed: {', '.join(allowed)}" if allowed else "")
-        parts.append(f"{key}{given}: {msg}" if key else msg)
-    return "; ".join(parts)
+        shown, msgs = by_key.setdefault(key, ["", []])
+        by_key[key][0] = shown or given
+        if msg not in msgs:
+            msgs.append(msg)
+    return "; ".join(f"{key}{given}: {' or '.join(msgs)}" if key else " or ".join(msgs)
+                     for key, (given, msgs) in by_key.items())

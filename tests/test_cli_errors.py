@@ -110,3 +110,24 @@ def test_help_has_no_literal_markup_and_every_option_says_what_it_is():
                 assert "``" not in p.help and "[" not in p.help, (path, p.opts[0])  # rich reads [..] as markup
     r = invoke("--help")
     assert r.exit_code == 0 and "``" not in r.output and "--debug" in r.output
+
+
+def test_rl_train_checks_init_driver_and_steps_before_starting_anything(tmp_path):
+    """Refused at the command line, before Ray or any output folder: a missing checkpoint, a --driver the
+    config's trainer cannot run under, zero steps."""
+    cfg, out = ROOT / "experiments" / "cpu-tiny.yaml", tmp_path / "out"
+    base = ("rl", "train", "--config", cfg, "--mode", "isoexec", "--seed", "0", "--out", out)
+    assert_one_error_line(invoke(*base, "--init", tmp_path / "nothere"), "--init", "nothere", "config.json")
+    assert_one_error_line(invoke(*base, "--init", tmp_path, "--driver", "loop"), "--driver loop",
+                          "trainer.backend='megatron'", "rl.driver: skyrl")
+    assert_one_error_line(invoke(*base, "--init", tmp_path, "--steps", "0"), "--steps=0", "at least one step")
+    assert not out.exists()
+
+
+def test_a_union_setting_is_one_problem_without_pydantic_type_names(tmp_path):
+    bad = tmp_path / "be.yaml"
+    bad.write_text("name: t\ntrainer: {backend: megatronx}\n")
+    r = invoke("config", "--config", bad)
+    assert_one_error_line(r, "trainer.backend='megatronx': Input should be 'hf', 'unified' or 'megatron'")
+    out = r.stdout + r.stderr
+    assert "literal[" not in out and out.count("trainer.backend") == 1, out

@@ -58,6 +58,14 @@ def data(config: Path = typer.Option(..., help="experiment YAML"),
         typer.echo(f"wrote {write_parquet(rows, out / f'{name}.parquet')} ({len(rows)} rows)")
 
 
+def _checkpoint(path: Path, option: str, made_by: str) -> Path:
+    """``path`` if it is a Hugging Face checkpoint folder, else a BadParameter naming ``option``."""
+    if not (path / "config.json").is_file():
+        raise typer.BadParameter(f"{option} {path}: no checkpoint there (expected a Hugging Face checkpoint folder "
+                                 f"with config.json, as {made_by} writes)")
+    return path
+
+
 @app.command("sft")
 def sft(config: Path = typer.Option(..., help="experiment YAML"),
         init: Path = typer.Option(..., help="checkpoint from init-model"),
@@ -68,8 +76,10 @@ def sft(config: Path = typer.Option(..., help="experiment YAML"),
     from isoexec.config import load_config
     from isoexec.rl.sft import run_sft
 
+    cfg = load_config(config)
+    _checkpoint(init, "--init", "`isoexec rl init-model`")
     _setup(threads)
-    m = run_sft(load_config(config), init, out, steps=steps)
+    m = run_sft(cfg, init, out, steps=steps)
     typer.echo(f"sft: expected accuracy {m['expected_accuracy']:.3f}, sampled {m['accuracy']:.3f} "
                f"(greedy {m['greedy_accuracy']:.3f}) after {m['steps']} steps, "
                f"in band: {m['in_band']}; wrote {out}")
@@ -86,7 +96,9 @@ def train(config: Path = typer.Option(..., help="experiment YAML"),
                                                        "started locally; needs the skyrl extra) | loop (in-process)"),
           threads: int = _THREADS) -> None:
     """One paired-run half: GRPO/DAPO steps of MODE from INIT; writes metrics.jsonl + provenance.json."""
-    from isoexec.config import load_config
+    from pydantic import ValidationError
+
+    from isoexec.config import load_config, validation_summary
 
     if mode not in ("native", "isoexec"):
         raise typer.BadParameter(f"--mode must be native or isoexec, got {mode!r}")
@@ -94,7 +106,14 @@ def train(config: Path = typer.Option(..., help="experiment YAML"),
         raise typer.BadParameter(f"--driver must be loop or skyrl, got {driver!r}")
     cfg = load_config(config)
     if driver is not None and driver != cfg.rl.driver:
-        cfg = type(cfg).model_validate({**cfg.model_dump(), "rl": {**cfg.rl.model_dump(), "driver": driver}})
+        try:
+            cfg = type(cfg).model_validate({**cfg.model_dump(), "rl": {**cfg.rl.model_dump(), "driver": driver}})
+        except ValidationError as e:
+            raise typer.BadParameter(f"--driver {driver} with {config}: {validation_summary(e)}") from None
+    if (steps if steps is not None else cfg.rl.steps) < 1:
+        raise typer.BadParameter(f"{'--steps' if steps is not None else f'rl.steps of {config}'}="
+                                 f"{steps if steps is not None else cfg.rl.steps}: RL training needs at least one step")
+    _checkpoint(init, "--init", "`isoexec rl sft` (or `isoexec rl init-model`)")
     _setup(threads)
     if cfg.rl.driver == "skyrl":
         from isoexec.rl.skyrl.driver import run_skyrl
