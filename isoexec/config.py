@@ -267,11 +267,12 @@ class TrainerSection(_Section):
             layout.check()
         except ValueError as e:
             return [f"trainer tp={self.tp} ep={self.ep} sp={self.sp}: {e}"]
-        bad = [f"trainer layout {layout}: model.{p}" for p in layout_problems(model, layout)]
+        bad = [f"trainer layout {layout.name}: model.{p}" for p in layout_problems(model, layout)]
         if mode == "isoexec":
             domain = proven_topology(mode, device)
-            bad += [f"trainer layout {layout}: {dim}={d} is outside the isoexec kernel set's proven domain "
-                    f"{list(domain.get(dim, (1,)))} (the contract's topology claim)"
+            what = {"sp": "sequence-parallel degree (tp when sp is on)", "dp": "data-parallel replicas"}
+            bad += [f"trainer layout {layout.name}: {what[dim] + ' ' if dim in what else ''}{dim}={d} is outside the isoexec kernel "
+                    f"set's proven domain {list(domain.get(dim, (1,)))} (the contract's topology claim)"
                     for dim, d in layout.degrees().items() if d not in domain.get(dim, (1,))]
         return bad
 
@@ -349,6 +350,8 @@ class ExperimentConfig(_Section):
         if self.rl.temperature != self.kernels.temperature:
             problems.append(f"rl.temperature={self.rl.temperature} must equal kernels.temperature="
                             f"{self.kernels.temperature} (the contract pins the policy temperature; both modes sample at it)")
+        per_mode: dict[str, list[str]] = {}  # a Megatron problem -> the modes it concerns
+        megatron_modes = []
         for mode in self.rl.modes:
             try:
                 backend = self.trainer.backend_for(mode)
@@ -359,10 +362,14 @@ class ExperimentConfig(_Section):
                 problems.append("trainer.backend='hf' (transformers' own kernels) cannot run mode isoexec; "
                                 "use 'unified' or 'megatron' for isoexec")
             if backend == "megatron":
-                problems += [f"mode {mode}: {p}" for p in self.trainer.megatron_problems(mode, self.device, m)]
+                megatron_modes.append(mode)
+                found = self.trainer.megatron_problems(mode, self.device, m)
                 if self.rl.driver != "skyrl":
-                    problems.append(f"mode {mode}: trainer.backend='megatron' runs as a worker group of "
-                                    f"{self.trainer.world_size(mode)} ranks under SkyRL: set rl.driver: skyrl")
+                    found.append(f"trainer.backend='megatron' runs as a worker group of "
+                                 f"{self.trainer.world_size(mode)} ranks under SkyRL: set rl.driver: skyrl")
+                for p in found:
+                    per_mode.setdefault(p, []).append(mode)
+        problems += [p if modes == megatron_modes else f"mode {', '.join(modes)}: {p}" for p, modes in per_mode.items()]
         if self.rl.driver == "skyrl" and self.engine.backend != "vllm":
             problems.append(f"rl.driver='skyrl' generates with the vLLM engine (engine.backend={self.engine.backend!r}); "
                             "use engine.backend: vllm or rl.driver: loop")

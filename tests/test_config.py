@@ -1,8 +1,12 @@
 """Experiment config validation: every bad input fails at load, naming the key."""
 
+from pathlib import Path
+
 import pytest
 
 from isoexec.config import load_config
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _write(tmp_path, text):
@@ -77,3 +81,15 @@ def test_constants_come_from_the_config_only(tmp_path):
     cfg = load_config(_write(tmp_path, "name: t\nkernels: {chunk_size: 24, triton: {gdn_scan_bv: 16}}\n"))
     assert cfg.kernels.chunk_size == 24 and cfg.kernels.triton.gdn_scan_bv == 16
     assert cfg.trainer.backend_for("native") == "hf" and cfg.trainer.backend_for("isoexec") == "unified"
+
+
+def test_megatron_layout_problems_are_named_once_with_the_modes_they_concern(tmp_path):
+    """TP=3 on cpu-tiny's model: each size it cannot split is one problem (both modes share it); the isoexec
+    set's topology claim is isoexec's alone."""
+    body = (ROOT / "experiments" / "cpu-tiny.yaml").read_text().replace("\n  tp: 2\n", "\n  tp: 3\n")
+    with pytest.raises(ValueError) as e:
+        load_config(_write(tmp_path, body.replace("name: cpu-tiny", "name: tp3")))
+    msg = str(e.value)
+    assert msg.count("linear_num_value_heads=2 is not divisible by tp=3") == 1, msg
+    assert "mode native" not in msg and "Layout(" not in msg, msg
+    assert "mode isoexec: trainer layout tp3_sp: tp=3 is outside the isoexec kernel set's proven domain" in msg, msg
