@@ -37,15 +37,9 @@ import torch.nn.functional as F
 
 def _shapes(model, tag: str) -> list[tuple[str, int, int, int]]:
     """(name, M, K, N) of the row-parallel GEMMs of ``model`` (a ModelSection), trainer and decode rows."""
-    h = model.hidden_size
-    out = [("attn.out_proj", model.num_attention_heads * model.head_dim, h),
-           ("gdn.out_proj", model.linear_num_value_heads * model.linear_value_head_dim, h),
-           ("mlp.shared_expert(down)", model.shared_expert_intermediate_size, h)]
-    rows = []
-    for name, k, n in out:
-        for m in (10240, 256):
-            rows.append((f"{tag} {name}", m, k, n))
-    return rows
+    from isoexec.bench.megatron_cpu import row_parallel_shapes
+
+    return [(f"{tag} {name}", m, k, n) for name, m, k, n in row_parallel_shapes(model, 10240, 256)]
 
 
 def _time(fn, reps: int = 30, warmup: int = 5) -> float:

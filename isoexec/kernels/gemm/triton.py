@@ -131,7 +131,7 @@ def _tree_climb(j, acc, s0, s1, s2):
 # Two loop shapes, the same additions in the same order (``FLAT`` is chosen by the host, not bit-relevant):
 # one flat K loop over the leaves, software-pipelined across leaf boundaries, for several leaves of several K
 # steps each; or the leaves unrolled with one K loop each, for one-leaf programs (the split launch, where
-# the flat loop took 1.3x the time on the H200) and one-step leaves (where the flat-everywhere run at 39f5f77
+# the flat loop took 1.07-1.55x the time on the H200) and one-step leaves (where the flat-everywhere run at 39f5f77
 # took 0.77x: the next rule to pin, once a GPU gate run covers it; ``results/h200/leaf_gemm/README.md``).
 # ``kpl`` (K steps per leaf) is a run-time bound on purpose: with a compile-time kpl of 1 a leaf's dot starts
 # from a literal zero, and Triton's dot-combine pattern folds the next tree addition into that dot's
