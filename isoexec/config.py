@@ -70,6 +70,10 @@ class TritonSection(_Section):
         512, description="leaf GEMM launch: with at most this many rows, each leaf runs in its own program and a "
         "second kernel adds the leaf partials in the tree order; with more, one program reduces its leaves in "
         "registers. Same additions in the same order either way (not bit-relevant, so not in the contract)")
+    pik_tree: Literal["registers", "scratch"] = Field(
+        "registers", description="leaf GEMM: where a program keeps the pending nodes of its leaf tree above level "
+        "0: four fp32 tile accumulators in registers, or two in registers and levels 1-2 in an fp32 scratch in "
+        "global memory (L2), which lets larger tiles fit. Same additions in the same order (not bit-relevant)")
     attn_block_m: PositiveInt = Field(64, description="attention query rows per tile")
     attn_num_warps: PositiveInt = Field(8, description="attention warps per tile (fixes the row reductions' layout)")
     attn_num_stages: PositiveInt = Field(2, description="attention K/V software-pipelining depth")

@@ -533,12 +533,16 @@ def _variants_leaf(leaf_shapes, data, timed, tc0, G, rec):
     lcub = {sh: timed(F.linear, ldata[sh]) for sh in leaf_shapes}
     xl = torch.randn(300, 2048, device=dev, dtype=bf)
     wl = torch.randn(1024, 2048, device=dev, dtype=bf) * 0.02
-    for tiles in ((128, 64, 64, 8, 3), (128, 64, 64, 8, 4), (128, 128, 64, 8, 3), (64, 64, 64, 4, 4), (128, 64, 128, 8, 3),
-                  (64, 128, 64, 4, 3)):
-        cand = tc0.model_copy(update={"pik_gemm_bfloat16": tiles})
-        conf = ",".join(map(str, tiles))
+    pinned = t_gemm.linear_leaves(xl, wl, tc0, G, split=False)
+    cands = [(t, "registers") for t in ((128, 64, 64, 8, 3), (64, 64, 64, 4, 4), (128, 64, 128, 8, 3))]
+    cands += [(t, "scratch") for t in ((128, 64, 64, 8, 3), (128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 64, 4, 3),
+                                        (128, 256, 64, 8, 3), (64, 128, 64, 4, 4), (128, 128, 128, 8, 3))]
+    for tiles, tree in cands:
+        cand = tc0.model_copy(update={"pik_gemm_bfloat16": tiles, "pik_tree": tree})
+        conf = ",".join(map(str, tiles)) + f" {tree}"
         try:
             full = t_gemm.linear_leaves(xl, wl, cand, G, split=False)
+            same_as_pinned = bool(torch.equal(full, pinned))  # BK and the tree fix the bits; BM/BN should not
             ok = torch.equal(full, t_gemm.linear_leaves(xl, wl, cand, G, split=True))
             ok &= torch.equal(full[5], t_gemm.linear_leaves(xl[5:6], wl, cand, G, split=False)[0])
             for tp in (2, 4, 8):
@@ -550,7 +554,8 @@ def _variants_leaf(leaf_shapes, data, timed, tc0, G, rec):
                 for split in ((None,) if sh[1] > 256 else (True, False)):
                     t = timed(lambda a, b: t_gemm.linear_leaves(a, b, cand, G, split=split), ldata[sh])
                     rec(what="leaf_gemm", config=f"{conf} split={split}", shape=f"{sh[0]} {sh[1]}x{sh[2]}@{sh[2]}x{sh[3]}", ms=t,
-                        ref_ms=lcub[sh], frac_of_ref_throughput=lcub[sh] / t, bitwise_ok=bool(ok))
+                        ref_ms=lcub[sh], frac_of_ref_throughput=lcub[sh] / t, bitwise_ok=bool(ok),
+                        equal_pinned_tiles=same_as_pinned)
         except Exception as e:
             rec(what="leaf_gemm", config=conf, error=f"{type(e).__name__}: {str(e)[:200]}")
 
