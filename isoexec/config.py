@@ -70,10 +70,11 @@ class TritonSection(_Section):
         512, description="leaf GEMM launch: with at most this many rows, each leaf runs in its own program and a "
         "second kernel adds the leaf partials in the tree order; with more, one program reduces its leaves in "
         "registers. Same additions in the same order either way (not bit-relevant, so not in the contract)")
-    pik_tree: Literal["registers", "scratch"] = Field(
-        "registers", description="leaf GEMM: where a program keeps the pending nodes of its leaf tree above level "
-        "0: four fp32 tile accumulators in registers, or two in registers and levels 1-2 in an fp32 scratch in "
-        "global memory (L2), which lets larger tiles fit. Same additions in the same order (not bit-relevant)")
+    pik_program_leaves: PositiveInt = Field(
+        8, description="leaf GEMM with more rows than pik_split_rows: at most this many leaves per program (a "
+        "power of two); fewer than G leaves per program keep fewer fp32 tile accumulators live (the pending tree "
+        "nodes) and add the levels above in a second kernel through an fp32 buffer. Same additions in the same "
+        "order (not bit-relevant, so not in the contract)")
     attn_block_m: PositiveInt = Field(64, description="attention query rows per tile")
     attn_num_warps: PositiveInt = Field(8, description="attention warps per tile (fixes the row reductions' layout)")
     attn_num_stages: PositiveInt = Field(2, description="attention K/V software-pipelining depth")
@@ -89,7 +90,7 @@ class TritonSection(_Section):
     @model_validator(mode="after")
     def _powers_of_two(self) -> "TritonSection":
         bad = [f"kernels.triton.{k}={v}" for k, v in self.model_dump().items()
-               if k.endswith(("_bv", "_block_m", "_block_t", "_block_c")) and v & (v - 1)]
+               if k.endswith(("_bv", "_block_m", "_block_t", "_block_c", "_program_leaves")) and v & (v - 1)]
         for name in ("gemm_bfloat16", "gemm_float32", "pik_gemm_bfloat16", "pik_gemm_float32"):
             bm, bn, bk, _, _ = getattr(self, name)
             bad += [f"kernels.triton.{name} tile {t}" for t in (bm, bn, bk) if t < 16 or t & (t - 1)]

@@ -59,19 +59,19 @@ def test_gemm_programs_row_bits_independent_of_batch_size(program):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("k", [512, 2048])  # bf16 leaves of one 64-wide K step (512) and of four (2048)
-@pytest.mark.parametrize("tree", ["registers", "scratch"])
-def test_leaf_gemm_bitwise_across_tp_subtrees_and_launches(dtype, k, tree):
+@pytest.mark.parametrize("program_leaves", [8, 2])
+def test_leaf_gemm_bitwise_across_tp_subtrees_and_launches(dtype, k, program_leaves):
     """pik at TP 1, 2, 4, 8 on one GPU: each rank's leaf subtree from its K shard, the rank partials
-    added by the same tree, equal the TP=1 leaf GEMM; both launches, both places of the pending tree
-    nodes (``pik_tree``) and every batch give the same row."""
+    added by the same tree, equal the TP=1 leaf GEMM; every launch (one leaf per program, all eight, or
+    ``pik_program_leaves`` with the levels above in the combine kernel) and every batch give the same row."""
     from isoexec.kernels.gemm.triton import linear_leaves, linear_leaves_partial, tree_combine
 
-    cfg = CFG.model_copy(update={"pik_tree": tree})
+    cfg = CFG.model_copy(update={"pik_program_leaves": program_leaves})
     x = torch.randn(333, k, device=DEV, dtype=dtype)
     w = torch.randn(1024, k, device=DEV, dtype=dtype) * 0.02
     full = linear_leaves(x, w, cfg, 8, split=False)
     assert torch.equal(full, linear_leaves(x, w, cfg, 8, split=True))
-    assert torch.equal(full, linear_leaves(x, w, CFG, 8, split=False))  # the registers tree
+    assert torch.equal(full, linear_leaves(x, w, CFG, 8, split=False))  # eight leaves per program
     assert torch.equal(linear_leaves(x[200:201], w, cfg, 8)[0], full[200])
     for tp in (2, 4, 8):
         s = k // tp
@@ -96,8 +96,8 @@ def test_grouped_leaf_gemm_rows_batch_and_launch_invariant():
     counts = [100, 0, 150, 50]
     y = grouped_linear_leaves(x, w, counts, CFG, 8, split=True)
     assert torch.equal(y, grouped_linear_leaves(x, w, counts, CFG, 8, split=False))
-    scratch = CFG.model_copy(update={"pik_tree": "scratch"})
-    assert torch.equal(y, grouped_linear_leaves(x, w, counts, scratch, 8, split=False))
+    two = CFG.model_copy(update={"pik_program_leaves": 2})
+    assert torch.equal(y, grouped_linear_leaves(x, w, counts, two, 8, split=False))
     assert torch.equal(y[120], grouped_linear_leaves(x[120:121], w[2:3], [1], CFG, 8)[0])
     assert _rel(y[100:250].float(), linear_leaves(x[100:250], w[2], CFG, 8).float()) < 1e-2
 

@@ -534,15 +534,15 @@ def _variants_leaf(leaf_shapes, data, timed, tc0, G, rec):
     xl = torch.randn(300, 2048, device=dev, dtype=bf)
     wl = torch.randn(1024, 2048, device=dev, dtype=bf) * 0.02
     pinned = t_gemm.linear_leaves(xl, wl, tc0, G, split=False)
-    cands = [(t, "registers") for t in ((128, 64, 64, 8, 3), (64, 64, 64, 4, 4), (128, 64, 128, 8, 3))]
-    cands += [(t, "scratch") for t in ((128, 64, 64, 8, 3), (128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 64, 4, 3),
-                                        (128, 256, 64, 8, 3), (64, 128, 64, 4, 4), (128, 128, 128, 8, 3))]
-    for tiles, tree in cands:
-        cand = tc0.model_copy(update={"pik_gemm_bfloat16": tiles, "pik_tree": tree})
-        conf = ",".join(map(str, tiles)) + f" {tree}"
+    cands = [((128, 64, 64, 8, 3), 8), ((64, 64, 64, 4, 4), 8), ((128, 64, 64, 8, 3), 4), ((64, 64, 64, 4, 4), 4),
+             ((128, 128, 64, 8, 3), 2), ((128, 128, 64, 8, 4), 2), ((128, 128, 64, 8, 3), 4), ((128, 64, 64, 8, 3), 2),
+             ((128, 256, 64, 8, 3), 1), ((128, 128, 64, 8, 3), 1)]
+    for tiles, lpp in cands:
+        cand = tc0.model_copy(update={"pik_gemm_bfloat16": tiles, "pik_program_leaves": lpp})
+        conf = ",".join(map(str, tiles)) + f" leaves/program<={lpp}"
         try:
             full = t_gemm.linear_leaves(xl, wl, cand, G, split=False)
-            same_as_pinned = bool(torch.equal(full, pinned))  # BK and the tree fix the bits; BM/BN should not
+            same_as_pinned = bool(torch.equal(full, pinned))  # BK and the tree fix the bits; BM/BN, the launch should not
             ok = torch.equal(full, t_gemm.linear_leaves(xl, wl, cand, G, split=True))
             ok &= torch.equal(full[5], t_gemm.linear_leaves(xl[5:6], wl, cand, G, split=False)[0])
             for tp in (2, 4, 8):

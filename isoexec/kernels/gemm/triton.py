@@ -16,11 +16,11 @@ the pik kernels of :mod:`isoexec.kernels.collectives.triton` (DESIGN §3, "Paral
 is cut into G fixed contiguous leaves over the *global* K; each leaf is the tile program above over its
 K/G features, from a zero accumulator; the G fp32 leaf partials are added by the fixed binary tree that
 pairs adjacent nodes, ``((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7))``, and rounded once. A program either
-reduces a whole aligned subtree of leaves (a binary counter: the node finished at leaf j is kept at
-level ``l`` while bit ``l`` of j is 0, and added to its left sibling when it is 1; the pending nodes in
-registers, or those above level 0 in an fp32 scratch, ``kernels.triton.pik_tree``) or runs one leaf and
-leaves the upper levels to :func:`tree_combine`; all add the same fp32 numbers in the same order, so
-neither the launch (``kernels.triton.pik_split_rows``) nor ``pik_tree`` changes bits. A TP rank holding K/tp
+reduces an aligned subtree of leaves in registers (a binary counter: the node finished at leaf j is
+kept at level ``l`` while bit ``l`` of j is 0, and added to its left sibling when it is 1) and leaves
+the levels above its subtree to :func:`tree_combine` (one leaf per program for few rows,
+``kernels.triton.pik_split_rows``; at most ``kernels.triton.pik_program_leaves`` otherwise); every launch
+adds the same fp32 numbers in the same order, so none changes bits. A TP rank holding K/tp
 features reduces its subtree of G/tp leaves with the same code, hence every TP dividing G gives the
 same bits.
 """
@@ -129,36 +129,6 @@ def _tree_climb(j, acc, s0, s1, s2):
     return s0, s1, s2
 
 
-@triton.jit
-def _tree_climb_scratch(j, acc, s0, sp, stride_l, offs, mask, LPP: tl.constexpr):
-    """:func:`_tree_climb` with the pending nodes of levels 1 and 2 in a global fp32 scratch (``sp``,
-    ``sp + stride_l``; L2-resident while the program runs) instead of registers: the same additions in
-    the same order, with two tile accumulators live instead of four (so larger tiles fit). The root of
-    the LPP leaves ends in ``s0``. Each store is followed by a barrier: the load that reads it back may
-    map the tile onto other threads."""
-    if j % 2 == 0:
-        s0 = acc
-    else:
-        n1 = s0 + acc
-        if (j // 2) % 2 == 0:
-            if LPP == 2:
-                s0 = n1
-            else:
-                tl.store(sp + offs, n1, mask=mask)
-                tl.debug_barrier()
-        else:
-            n2 = tl.load(sp + offs, mask=mask, other=0.0) + n1
-            if (j // 4) % 2 == 0:
-                if LPP == 4:
-                    s0 = n2
-                else:
-                    tl.store(sp + stride_l + offs, n2, mask=mask)
-                    tl.debug_barrier()
-            else:
-                s0 = tl.load(sp + stride_l + offs, mask=mask, other=0.0) + n2
-    return s0
-
-
 # Two loop shapes, the same additions in the same order (``FLAT`` is chosen by the host, not bit-relevant):
 # one flat K loop over the leaves, software-pipelined across leaf boundaries, for programs of several leaves
 # (one-step leaves included: 0.77x the unrolled time on the H200, ``results/h200/leaf_gemm/README.md``); or
@@ -169,10 +139,9 @@ def _tree_climb_scratch(j, acc, s0, sp, stride_l, offs, mask, LPP: tl.constexpr)
 # accumulator (``dot(a, b, 0) + s -> dot(a, b, s)``), which changes the bits of the in-register tree against
 # the one-leaf-per-program launch (seen on the H200 for leaves of one 64-wide K step).
 @triton.jit(do_not_specialize=["M", "n_tiles", "kpl"])
-def _leaf_gemm_kernel(x_ptr, w_ptr, y_ptr, sp_ptr, M, N, stride_xm, stride_wn, stride_ym, stride_we, stride_ys,
+def _leaf_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, stride_xm, stride_wn, stride_ym, stride_we, stride_ys,
                       tile_e_ptr, tile_r0_ptr, tile_r1_ptr, n_tiles, kpl,
-                      LEAF_K: tl.constexpr, LPP: tl.constexpr, FLAT: tl.constexpr, SCRATCH: tl.constexpr,
-                      GROUPED: tl.constexpr,
+                      LEAF_K: tl.constexpr, LPP: tl.constexpr, FLAT: tl.constexpr, GROUPED: tl.constexpr,
                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GM: tl.constexpr, PREC: tl.constexpr):
     # program (tile, s): output tile ``tile`` summed over the subtree s of LPP leaves (K offset s*LPP*LEAF_K)
     sub = tl.program_id(1)
@@ -186,13 +155,8 @@ def _leaf_gemm_kernel(x_ptr, w_ptr, y_ptr, sp_ptr, M, N, stride_xm, stride_wn, s
     cols64 = cols.to(tl.int64)
     k_base = sub * (LPP * LEAF_K)
     s0 = tl.zeros((BM, BN), dtype=tl.float32)
-    if SCRATCH:  # levels 1 and 2 in the scratch [2, M, N] (one subtree per launch: n_sub == 1)
-        s_offs = rows64[:, None] * N + cols64[None, :]
-        s_mask = rmask[:, None] & cmask[None, :]
-        stride_l = M.to(tl.int64) * N
-    else:
-        s1 = tl.zeros((BM, BN), dtype=tl.float32)
-        s2 = tl.zeros((BM, BN), dtype=tl.float32)
+    s1 = tl.zeros((BM, BN), dtype=tl.float32)
+    s2 = tl.zeros((BM, BN), dtype=tl.float32)
     if FLAT:  # one K loop over all LPP leaves, pipelined across leaf boundaries (iteration t = j * kpl + it)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         for t in range(0, LPP * kpl):
@@ -205,10 +169,7 @@ def _leaf_gemm_kernel(x_ptr, w_ptr, y_ptr, sp_ptr, M, N, stride_xm, stride_wn, s
             b = tl.load(w_ptr + cols64[None, :] * stride_wn + ks[:, None], mask=kmask[:, None] & cmask[None, :], other=0.0)
             acc = tl.dot(a, b, acc, input_precision=PREC)
             if it == kpl - 1:
-                if SCRATCH:
-                    s0 = _tree_climb_scratch(j, acc, s0, sp_ptr, stride_l, s_offs, s_mask, LPP)
-                else:
-                    s0, s1, s2 = _tree_climb(j, acc, s0, s1, s2)
+                s0, s1, s2 = _tree_climb(j, acc, s0, s1, s2)
                 acc = tl.zeros((BM, BN), dtype=tl.float32)  # the next leaf starts from zero
     else:
         for j in tl.static_range(LPP):  # leaves unrolled: each leaf is one plain (pipelined) K loop
@@ -220,16 +181,13 @@ def _leaf_gemm_kernel(x_ptr, w_ptr, y_ptr, sp_ptr, M, N, stride_xm, stride_wn, s
                 a = tl.load(x_ptr + rows64[:, None] * stride_xm + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
                 b = tl.load(w_ptr + cols64[None, :] * stride_wn + ks[:, None], mask=kmask[:, None] & cmask[None, :], other=0.0)
                 acc = tl.dot(a, b, acc, input_precision=PREC)
-            if SCRATCH:
-                s0 = _tree_climb_scratch(j, acc, s0, sp_ptr, stride_l, s_offs, s_mask, LPP)
-            else:
-                s0, s1, s2 = _tree_climb(j, acc, s0, s1, s2)
-    if SCRATCH or LPP == 1 or LPP == 8:
-        res = s0
-    elif LPP == 2:
+            s0, s1, s2 = _tree_climb(j, acc, s0, s1, s2)
+    if LPP == 2:
         res = s1
-    else:
+    elif LPP == 4:
         res = s2
+    else:
+        res = s0
     tl.store(y_ptr + sub.to(tl.int64) * stride_ys + rows64[:, None] * stride_ym + cols64[None, :],
              res.to(y_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
 
@@ -422,29 +380,31 @@ def tree_combine(parts: torch.Tensor, out_dtype: torch.dtype, out: torch.Tensor 
 
 def _launch_leaves(x, w, y, counts, cfg, leaf_k: int, lpp: int, n_sub: int):
     """One leaf-GEMM launch: programs (tile, subtree) over ``n_sub`` subtrees of ``lpp`` leaves; y is
-    ``[n_sub, R, N]`` (or ``[R, N]`` when n_sub == 1). The loop shape (``FLAT``) and where the pending
-    tree nodes live (``SCRATCH``: ``cfg.pik_tree``) are host choices that move no bit."""
+    ``[n_sub, R, N]`` (or ``[R, N]`` when n_sub == 1)."""
     BM, BN, BK, nw, ns = tiles_for(cfg, x.dtype, leaf=True)
     R = x.shape[0]
     N = w.shape[-2]
     stride_ys = R * N
     kpl = triton.cdiv(leaf_k, BK)
     flat = lpp > 1
-    scratch = cfg.pik_tree == "scratch" and lpp >= 4  # only subtrees of 4 or 8 leaves hold nodes above level 0
-    sp = torch.empty((2, R, N), device=x.device, dtype=torch.float32) if scratch else y
     if counts is None:
         grid = (triton.cdiv(R, BM) * triton.cdiv(N, BN), n_sub)
-        _leaf_gemm_kernel[grid](x, w, y, sp, R, N, x.stride(0), w.stride(0), N, 0, stride_ys, x, x, x, 0, kpl,
-                                LEAF_K=leaf_k, LPP=lpp, FLAT=flat, SCRATCH=scratch, GROUPED=False, BM=BM, BN=BN, BK=BK,
-                                GM=cfg.gemm_group_m, PREC=DOT_PRECISION, num_warps=nw, num_stages=ns)
+        _leaf_gemm_kernel[grid](x, w, y, R, N, x.stride(0), w.stride(0), N, 0, stride_ys, x, x, x, 0, kpl,
+                                LEAF_K=leaf_k, LPP=lpp, FLAT=flat, GROUPED=False, BM=BM, BN=BN, BK=BK, GM=cfg.gemm_group_m,
+                                PREC=DOT_PRECISION, num_warps=nw, num_stages=ns)
         return
     meta, n_t = _group_tiles(counts, BM, x.device)
     if not n_t:
         return
     grid = (n_t * triton.cdiv(N, BN), n_sub)
-    _leaf_gemm_kernel[grid](x, w, y, sp, R, N, x.stride(0), w.stride(1), N, w.stride(0), stride_ys, meta[0], meta[1],
-                            meta[2], n_t, kpl, LEAF_K=leaf_k, LPP=lpp, FLAT=flat, SCRATCH=scratch, GROUPED=True, BM=BM,
-                            BN=BN, BK=BK, GM=cfg.gemm_group_m, PREC=DOT_PRECISION, num_warps=nw, num_stages=ns)
+    _leaf_gemm_kernel[grid](x, w, y, R, N, x.stride(0), w.stride(1), N, w.stride(0), stride_ys, meta[0], meta[1], meta[2],
+                            n_t, kpl, LEAF_K=leaf_k, LPP=lpp, FLAT=flat, GROUPED=True, BM=BM, BN=BN, BK=BK,
+                            GM=cfg.gemm_group_m, PREC=DOT_PRECISION, num_warps=nw, num_stages=ns)
+
+
+def _program_leaves(cfg, leaves: int, split: bool) -> int:
+    """Leaves per program: 1 for the split launch, else at most ``cfg.pik_program_leaves``."""
+    return 1 if split else min(leaves, cfg.pik_program_leaves)
 
 
 def _leaves(x, w, counts, cfg, leaves, out_dtype, split: bool | None):
@@ -458,12 +418,13 @@ def _leaves(x, w, counts, cfg, leaves, out_dtype, split: bool | None):
         split = R <= cfg.pik_split_rows
     if R == 0:
         return torch.empty((R, N), device=x.device, dtype=od)
-    if split and leaves > 1:
-        parts = torch.zeros((leaves, R, N), device=x.device, dtype=torch.float32) if counts is not None else \
-            torch.empty((leaves, R, N), device=x.device, dtype=torch.float32)
-        _launch_leaves(x, w, parts, counts, cfg, leaf_k, 1, leaves)
+    lpp = _program_leaves(cfg, leaves, split)
+    alloc = torch.zeros if counts is not None else torch.empty  # grouped tiles may leave rows of empty experts
+    if lpp < leaves:  # subtree sums of lpp leaves through an fp32 buffer, the upper levels by tree_combine
+        parts = alloc((leaves // lpp, R, N), device=x.device, dtype=torch.float32)
+        _launch_leaves(x, w, parts, counts, cfg, leaf_k, lpp, leaves // lpp)
         return tree_combine(parts, od)
-    y = torch.zeros((R, N), device=x.device, dtype=od) if counts is not None else torch.empty((R, N), device=x.device, dtype=od)
+    y = alloc((R, N), device=x.device, dtype=od)
     _launch_leaves(x, w, y, counts, cfg, leaf_k, leaves, 1)
     return y
 
@@ -530,7 +491,14 @@ def linear_leaves_partial(x_shard: torch.Tensor, w_shard: torch.Tensor, cfg, lea
         y = (torch.zeros if counts is not None else torch.empty)((x.shape[0], w.shape[-2]), device=x.device,
                                                                  dtype=torch.float32)
     if x.shape[0]:
-        _launch_leaves(x, w, y, counts, cfg, leaf_k, leaves_local, 1)
+        lpp = _program_leaves(cfg, leaves_local, x.shape[0] <= cfg.pik_split_rows and leaves_local > 1)
+        if lpp < leaves_local:
+            parts = (torch.zeros if counts is not None else torch.empty)(
+                (leaves_local // lpp, x.shape[0], w.shape[-2]), device=x.device, dtype=torch.float32)
+            _launch_leaves(x, w, parts, counts, cfg, leaf_k, lpp, leaves_local // lpp)
+            tree_combine(parts, torch.float32, out=y)
+        else:
+            _launch_leaves(x, w, y, counts, cfg, leaf_k, leaves_local, 1)
     return y
 
 
