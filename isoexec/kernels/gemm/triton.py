@@ -111,18 +111,25 @@ def _gemm_tma_kernel(x_desc, w_desc, y_ptr, M, N, K, stride_ym,
 
 
 @triton.jit
-def _tree_climb(j, acc, s0, s1, s2):
-    """Leaf ``j``'s fp32 partial ``acc`` is complete: climb the adjacent-pairs tree while j's bit at that
-    level is 1 (a binary counter). Level l's pending node is kept in ``s<l>``; returns the new (s0, s1, s2)."""
+def _tree_climb(j, acc, s0, s1, s2, LPP: tl.constexpr):
+    """Leaf ``j``'s fp32 partial ``acc`` is complete: climb the adjacent-pairs tree of the program's LPP leaves
+    while j's bit at that level is 1 (a binary counter). Level l's pending node is kept in ``s<l>``, the root
+    in ``s0``; levels the subtree does not have are never assigned (``LPP`` is a compile-time constant), so
+    with a run-time ``j`` (the flat loop) only the accumulators the subtree needs stay live: two for LPP 2,
+    three for 4, four for 8. Returns the new (s0, s1, s2)."""
     if j % 2 == 0:
         s0 = acc
     else:
         n1 = s0 + acc
-        if (j // 2) % 2 == 0:
+        if LPP == 2:
+            s0 = n1  # the root of 2 leaves
+        elif (j // 2) % 2 == 0:
             s1 = n1
         else:
             n2 = s1 + n1
-            if (j // 4) % 2 == 0:
+            if LPP == 4:
+                s0 = n2  # the root of 4 leaves
+            elif (j // 4) % 2 == 0:
                 s2 = n2
             else:
                 s0 = s2 + n2  # the root of 8 leaves (s0 is free again)
@@ -169,7 +176,7 @@ def _leaf_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, stride_xm, stride_wn, stride_ym
             b = tl.load(w_ptr + cols64[None, :] * stride_wn + ks[:, None], mask=kmask[:, None] & cmask[None, :], other=0.0)
             acc = tl.dot(a, b, acc, input_precision=PREC)
             if it == kpl - 1:
-                s0, s1, s2 = _tree_climb(j, acc, s0, s1, s2)
+                s0, s1, s2 = _tree_climb(j, acc, s0, s1, s2, LPP)
                 acc = tl.zeros((BM, BN), dtype=tl.float32)  # the next leaf starts from zero
     else:
         for j in tl.static_range(LPP):  # leaves unrolled: each leaf is one plain (pipelined) K loop
@@ -181,15 +188,9 @@ def _leaf_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, stride_xm, stride_wn, stride_ym
                 a = tl.load(x_ptr + rows64[:, None] * stride_xm + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
                 b = tl.load(w_ptr + cols64[None, :] * stride_wn + ks[:, None], mask=kmask[:, None] & cmask[None, :], other=0.0)
                 acc = tl.dot(a, b, acc, input_precision=PREC)
-            s0, s1, s2 = _tree_climb(j, acc, s0, s1, s2)
-    if LPP == 2:
-        res = s1
-    elif LPP == 4:
-        res = s2
-    else:
-        res = s0
+            s0, s1, s2 = _tree_climb(j, acc, s0, s1, s2, LPP)
     tl.store(y_ptr + sub.to(tl.int64) * stride_ys + rows64[:, None] * stride_ym + cols64[None, :],
-             res.to(y_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
+             s0.to(y_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
 
 
 @triton.jit
