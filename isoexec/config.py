@@ -263,7 +263,7 @@ class TrainerSection(_Section):
         itself, sizes of ``model`` it does not divide, and, for ``isoexec``, degrees outside the kernel
         set's proven topology (the contract's claim, :func:`isoexec.kernels.topology.proven_topology`)."""
         from isoexec.kernels.topology import proven_topology
-        from isoexec.trainer.megatron.config import layout_problems
+        from isoexec.trainer.megatron.config import layout_problems, splittable_degrees
 
         if device not in ("cpu", "cuda"):
             return [f"trainer.backend='megatron' runs on cpu (gloo) or cuda (NCCL), not device={device!r}"]
@@ -273,6 +273,9 @@ class TrainerSection(_Section):
         except ValueError as e:
             return [f"trainer tp={self.tp} ep={self.ep} sp={self.sp}: {e}"]
         bad = [f"trainer layout {layout.name}: model.{p}" for p in layout_problems(model, layout)]
+        if bad:
+            bad.append(f"trainer layout {layout.name}: this model splits at tp in {splittable_degrees(model, 'tp')} "
+                       f"(ep 1) and at ep in {splittable_degrees(model, 'ep')} (tp 1), of 1..16")
         if mode == "isoexec":
             domain = proven_topology(mode, device)
             what = {"sp": "sequence-parallel degree (tp when sp is on)", "dp": "data-parallel replicas"}

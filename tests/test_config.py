@@ -91,5 +91,6 @@ def test_megatron_layout_problems_are_named_once_with_the_modes_they_concern(tmp
         load_config(_write(tmp_path, body.replace("name: cpu-tiny", "name: tp3")))
     msg = str(e.value)
     assert msg.count("linear_num_value_heads=2 is not divisible by tp=3") == 1, msg
+    assert "this model splits at tp in [1, 2] (ep 1) and at ep in [1, 2, 4] (tp 1), of 1..16" in msg, msg  # what works
     assert "mode native" not in msg and "Layout(" not in msg, msg
     assert "mode isoexec: trainer layout tp3_sp: tp=3 is outside the isoexec kernel set's proven domain" in msg, msg

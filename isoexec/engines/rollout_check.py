@@ -179,6 +179,8 @@ def run_mode(
         prompt_len_max=max(map(len, prompts)),
         engine={k: getattr(e, k) for k in ("max_num_seqs", "max_model_len", "enable_chunked_prefill", "max_num_batched_tokens", "enable_prefix_caching", "num_kv_blocks_override")},
         temperature=cfg.kernels.temperature,
+        trainer={"backend": cfg.trainer.backend_for(mode),
+                 "layout": cfg.trainer.layout().name if cfg.trainer.backend_for(mode) == "megatron" else None},
         generation_s=round(gen_s, 3),
         total_s=round(time.perf_counter() - t0, 3),
     )

@@ -108,6 +108,15 @@ def layout_problems(c, layout: Layout) -> list[str]:
     return bad
 
 
+def splittable_degrees(c, dim: str, up_to: int = 16) -> list[int]:
+    """The degrees of ``dim`` (``"tp"`` or ``"ep"``) in 1..``up_to`` that split every size of ``c`` with
+    the other dimension at 1 (:func:`layout_problems` empty); for error messages."""
+    if dim not in ("tp", "ep"):
+        raise ValueError(f"dim must be 'tp' or 'ep', got {dim!r}")
+    layouts = {d: Layout(tp=d, sp=d > 1) if dim == "tp" else Layout(ep=d) for d in range(1, up_to + 1)}
+    return [d for d, lay in layouts.items() if not layout_problems(c, lay)]
+
+
 def transformer_config(hf_config, layout: Layout, dtype: torch.dtype):
     """The Megatron ``TransformerConfig`` of ``hf_config`` under ``layout``.
 
