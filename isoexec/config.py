@@ -66,9 +66,6 @@ class TritonSection(_Section):
         (128, 64, 64, 8, 3), description="bf16 leaf GEMM (row-parallel regions, pik) tiles: BM, BN, BK, num_warps, num_stages")
     pik_gemm_float32: tuple[PositiveInt, PositiveInt, PositiveInt, PositiveInt, PositiveInt] = Field(
         (64, 64, 32, 4, 3), description="fp32 leaf GEMM tiles (true fp32 dot): BM, BN, BK, num_warps, num_stages")
-    pik_gemm_kernel: Literal["tiled", "persistent_tma"] = Field(
-        "tiled", description="leaf GEMM program (bf16, ungrouped): one program per (output tile, subtree) with "
-        "pointer loads, or a persistent grid over them with TMA loads (same tiles, same K order and tree)")
     pik_split_rows: NonNegativeInt = Field(
         512, description="leaf GEMM launch: with at most this many rows, each leaf runs in its own program and a "
         "second kernel adds the leaf partials in the tree order; with more, one program reduces its leaves in "

@@ -59,21 +59,19 @@ def test_gemm_programs_row_bits_independent_of_batch_size(program):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("k", [512, 2048])  # bf16 leaves of one 64-wide K step (512) and of four (2048)
-@pytest.mark.parametrize("launch", [{"pik_program_leaves": 8}, {"pik_program_leaves": 2},
-                                    {"pik_gemm_kernel": "persistent_tma"}], ids=["leaves8", "leaves2", "tma"])
-def test_leaf_gemm_bitwise_across_tp_subtrees_and_launches(dtype, k, launch):
+@pytest.mark.parametrize("program_leaves", [8, 2])
+def test_leaf_gemm_bitwise_across_tp_subtrees_and_launches(dtype, k, program_leaves):
     """pik at TP 1, 2, 4, 8 on one GPU: each rank's leaf subtree from its K shard, the rank partials
     added by the same tree, equal the TP=1 leaf GEMM; every launch (one leaf per program, all eight, or
-    ``pik_program_leaves`` with the levels above in the combine kernel; pointer loads or the persistent
-    TMA program) and every batch give the same row."""
+    ``pik_program_leaves`` with the levels above in the combine kernel) and every batch give the same row."""
     from isoexec.kernels.gemm.triton import linear_leaves, linear_leaves_partial, tree_combine
 
-    cfg = CFG.model_copy(update=launch)
+    cfg = CFG.model_copy(update={"pik_program_leaves": program_leaves})
     x = torch.randn(333, k, device=DEV, dtype=dtype)
     w = torch.randn(1024, k, device=DEV, dtype=dtype) * 0.02
     full = linear_leaves(x, w, cfg, 8, split=False)
     assert torch.equal(full, linear_leaves(x, w, cfg, 8, split=True))
-    assert torch.equal(full, linear_leaves(x, w, CFG, 8, split=False))  # eight leaves per program, pointer loads
+    assert torch.equal(full, linear_leaves(x, w, CFG, 8, split=False))  # eight leaves per program
     assert torch.equal(linear_leaves(x[200:201], w, cfg, 8)[0], full[200])
     for tp in (2, 4, 8):
         s = k // tp

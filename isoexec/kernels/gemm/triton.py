@@ -117,9 +117,7 @@ def _tree_climb(j, acc, s0, s1, s2, LPP: tl.constexpr):
     in ``s0``; levels the subtree does not have are never assigned (``LPP`` is a compile-time constant), so
     with a run-time ``j`` (the flat loop) only the accumulators the subtree needs stay live: two for LPP 2,
     three for 4, four for 8. Returns the new (s0, s1, s2)."""
-    if LPP == 1:
-        s0 = acc
-    elif j % 2 == 0:
+    if j % 2 == 0:
         s0 = acc
     else:
         n1 = s0 + acc
@@ -195,39 +193,6 @@ def _leaf_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, stride_xm, stride_wn, stride_ym
              s0.to(y_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
 
 
-@triton.jit(do_not_specialize=["M", "kpl"])
-def _leaf_gemm_tma_kernel(x_desc, w_desc, y_ptr, M, N, stride_ym, stride_ys, kpl,
-                          LEAF_K: tl.constexpr, LPP: tl.constexpr, N_SUB: tl.constexpr, BM: tl.constexpr,
-                          BN: tl.constexpr, BK: tl.constexpr, GM: tl.constexpr, NUM_SMS: tl.constexpr,
-                          PREC: tl.constexpr):
-    """The leaf program of :func:`_leaf_gemm_kernel` (flat K loop, the same tree climb) on a persistent grid
-    with TMA loads: work item = (output tile, subtree). Needs LEAF_K % BK == 0 (a TMA box never crosses a
-    leaf: out-of-range rows and K read as zeros, but the next leaf's features would not)."""
-    n_tiles = tl.cdiv(M, BM) * tl.cdiv(N, BN)
-    for item in tl.range(tl.program_id(0), n_tiles * N_SUB, NUM_SMS):
-        sub = item // n_tiles
-        pid_m, pid_n = _swizzle(item - sub * n_tiles, M, N, BM, BN, GM)
-        k_base = sub * (LPP * LEAF_K)
-        s0 = tl.zeros((BM, BN), dtype=tl.float32)
-        s1 = tl.zeros((BM, BN), dtype=tl.float32)
-        s2 = tl.zeros((BM, BN), dtype=tl.float32)
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for t in range(0, LPP * kpl):
-            j = t // kpl
-            it = t - j * kpl
-            k = k_base + j * LEAF_K + it * BK
-            a = x_desc.load([pid_m * BM, k])
-            b = w_desc.load([pid_n * BN, k])
-            acc = tl.dot(a, b.T, acc, input_precision=PREC)
-            if it == kpl - 1:
-                s0, s1, s2 = _tree_climb(j, acc, s0, s1, s2, LPP)
-                acc = tl.zeros((BM, BN), dtype=tl.float32)
-        rows = pid_m * BM + tl.arange(0, BM)
-        cols = pid_n * BN + tl.arange(0, BN)
-        tl.store(y_ptr + sub.to(tl.int64) * stride_ys + rows.to(tl.int64)[:, None] * stride_ym + cols[None, :],
-                 s0.to(y_ptr.dtype.element_ty), mask=(rows < M)[:, None] & (cols < N)[None, :])
-
-
 @triton.jit
 def _tree_combine_kernel(p_ptr, y_ptr, n, stride_s, S: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -281,8 +246,7 @@ def leaf_constants(cfg, dtype: torch.dtype, leaves: int) -> dict:
     bm, bn, bk, nw, ns = tiles_for(cfg, dtype, leaf=True)
     return {"tile_m": bm, "tile_n": bn, "tile_k": bk, "num_warps": nw, "num_stages": ns, "group_m": cfg.gemm_group_m,
             "dot_precision": DOT_PRECISION, "leaves": leaves, "leaf_tree": "adjacent_pairs", "leaf_acc": "float32",
-            "k_order": "ascending_within_leaf", "autotune": False,
-            "program": cfg.pik_gemm_kernel if dtype != torch.float32 else "tiled"}
+            "k_order": "ascending_within_leaf", "autotune": False}
 
 
 def _contig_k(t: torch.Tensor) -> torch.Tensor:
@@ -424,19 +388,6 @@ def _launch_leaves(x, w, y, counts, cfg, leaf_k: int, lpp: int, n_sub: int):
     stride_ys = R * N
     kpl = triton.cdiv(leaf_k, BK)
     flat = lpp > 1
-    if counts is None and cfg.pik_gemm_kernel == "persistent_tma" and x.dtype != torch.float32:
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
-        if leaf_k % BK or (x.stride(0) * x.element_size()) % 16 or x.data_ptr() % 16 or w.data_ptr() % 16:
-            raise ValueError(f"persistent_tma leaf GEMM needs K/leaves={leaf_k} divisible by BK={BK} and 16-byte "
-                             f"aligned rows and bases (x row stride {x.stride(0)}, {x.dtype})")
-        sms = _num_sms(x.device)
-        n_items = triton.cdiv(R, BM) * triton.cdiv(N, BN) * n_sub
-        _leaf_gemm_tma_kernel[(min(sms, n_items),)](
-            TensorDescriptor.from_tensor(x, [BM, BK]), TensorDescriptor.from_tensor(w, [BN, BK]), y, R, N, N, stride_ys,
-            kpl, LEAF_K=leaf_k, LPP=lpp, N_SUB=n_sub, BM=BM, BN=BN, BK=BK, GM=cfg.gemm_group_m, NUM_SMS=sms,
-            PREC=DOT_PRECISION, num_warps=nw, num_stages=ns)
-        return
     if counts is None:
         grid = (triton.cdiv(R, BM) * triton.cdiv(N, BN), n_sub)
         _leaf_gemm_kernel[grid](x, w, y, R, N, x.stride(0), w.stride(0), N, 0, stride_ys, x, x, x, 0, kpl,
