@@ -22,60 +22,46 @@ import torch
 
 
 class _TileMM(torch.autograd.Function):
-    """Forward: one ``torch.mm`` per tile (the bits). Backward: two plain matmuls (the gradient need
-    not be bitwise; one autograd node instead of one per tile)."""
+    """Forward: one ``torch.mm`` per row tile (the bits). Backward: two plain matmuls (the gradient
+    need not be bitwise; one autograd node instead of one per tile)."""
 
     @staticmethod
-    def forward(ctx, x, w, row_tile, col_tile):  # noqa: D102
+    def forward(ctx, x, w, row_tile):  # noqa: D102
         ctx.save_for_backward(x, w)
-        return _tile_mm(x, w, row_tile, col_tile)
+        return _tile_mm(x, w, row_tile)
 
     @staticmethod
     def backward(ctx, g):  # noqa: D102
         x, w = ctx.saved_tensors
         gx = g @ w.t() if ctx.needs_input_grad[0] else None
         gw = x.t() @ g if ctx.needs_input_grad[1] else None
-        return gx, gw, None, None
+        return gx, gw, None
 
 
-def _tile_mm(x: torch.Tensor, w: torch.Tensor, row_tile: int, col_tile: int | None) -> torch.Tensor:
+def _tile_mm(x: torch.Tensor, w: torch.Tensor, row_tile: int) -> torch.Tensor:
     n, k = x.shape
     m = w.shape[1]
-    ct = m if col_tile is None else col_tile
-    rows = -(-n // row_tile) * row_tile
-    if rows != n:  # zero-pad the last row tile
-        padded = x.new_zeros((rows, k))
-        padded[:n] = x
-        x = padded
-    # one contiguous [K, ct] weight tile per column tile; the last one zero-padded
-    w_tiles = [w[:, c:c + ct].contiguous() for c in range(0, m, ct)] if m else []
-    if w_tiles and w_tiles[-1].shape[1] != ct:
-        w_tiles[-1] = torch.cat([w_tiles[-1], w.new_zeros((k, ct - w_tiles[-1].shape[1]))], dim=1)
-    out = x.new_empty((len(w_tiles), rows, ct))  # every GEMM writes a contiguous [T, ct] block
-    for j, wt in enumerate(w_tiles):
-        for i in range(0, rows, row_tile):
-            torch.mm(x[i:i + row_tile], wt, out=out[j, i:i + row_tile])
-    if len(w_tiles) == 1:
-        return out[0, :n, :m]
-    return out.permute(1, 0, 2).reshape(rows, len(w_tiles) * ct)[:n, :m]
+    if n == 0:
+        return x.new_zeros((0, m))
+    pad = (-n) % row_tile
+    if pad:
+        x = torch.cat([x, x.new_zeros((pad, k))], dim=0)
+    w = w.contiguous()
+    out = torch.cat([torch.mm(t, w) for t in x.split(row_tile)], dim=0)
+    return out[:n]
 
 
-def tile_mm(x: torch.Tensor, w: torch.Tensor, row_tile: int, col_tile: int | None = None) -> torch.Tensor:
+def tile_mm(x: torch.Tensor, w: torch.Tensor, row_tile: int) -> torch.Tensor:
     """Batch-invariant ``x @ w`` in the dtype of the inputs (fp32 in the isoexec kernel set).
 
-    Every GEMM call has the one shape ``[T, K] @ [K, C]`` (T = ``row_tile`` rows, zero-padded; C =
-    ``col_tile`` output features, zero-padded, or all of M), one ``torch.mm`` per tile, written in place
-    into one preallocated output. (A single ``bmm`` over a stack of tiles is not enough: for some
-    shapes, e.g. M = 1, ATen/MKL treat the stack differently depending on its length.)
+    Every GEMM call has the one shape ``[T, K] @ [K, M]`` (T = ``row_tile``, rows zero-padded), one
+    call per tile. (A single ``bmm`` over a stack of tiles is not enough: for some shapes, e.g.
+    M = 1, ATen/MKL treat the stack differently depending on its length.)
 
     Args:
         x: ``[N, K]``; any N >= 0.
         w: ``[K, M]``, the same tensor for every row.
         row_tile: T, rows per GEMM tile (a contract constant).
-        col_tile: C, output features per GEMM tile (contract constant ``col_tile``; >= 2: a
-            one-column GEMM takes another MKL path), or None for one tile of all M columns. With a
-            column tile a column's bits depend only on its own tile's weights, so any shard of whole
-            column tiles reproduces the full product's columns (column-parallel TP).
 
     Returns:
         ``[N, M]``; row i depends only on ``x[i]`` and ``w`` (never on N, on the other rows or on
@@ -83,8 +69,8 @@ def tile_mm(x: torch.Tensor, w: torch.Tensor, row_tile: int, col_tile: int | Non
         by two plain matmuls (not bitwise; the forward is).
     """
     if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
-        return _TileMM.apply(x, w, row_tile, col_tile)
-    return _tile_mm(x, w, row_tile, col_tile)
+        return _TileMM.apply(x, w, row_tile)
+    return _tile_mm(x, w, row_tile)
 
 
 def tree_sum(x: torch.Tensor, dim: int = -1, keepdim: bool = False) -> torch.Tensor:

@@ -308,7 +308,9 @@ def pik_column_linear(
     m = w.shape[0]
     if col_tile < 1 or m % col_tile != 0:
         raise ValueError(f"output features M={m} are not divisible by col_tile={col_tile}")
-    return tile_mm(x.float(), w.float().t(), row_tile, col_tile).to(out_dtype or x.dtype)
+    xf, wf = x.float(), w.float()
+    cols = [tile_mm(xf, wf[c : c + col_tile].t().contiguous(), row_tile) for c in range(0, m, col_tile)]
+    return torch.cat(cols, dim=1).to(out_dtype or x.dtype)
 
 
 def pik_column_parallel_linear(

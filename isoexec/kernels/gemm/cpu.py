@@ -41,8 +41,16 @@ def iso_linear(x: torch.Tensor, w: torch.Tensor, row_tile: int, col_tile: int,
     Returns:
         ``[N, M]`` in ``out_dtype``. Differentiable.
     """
-    y = tile_mm(x.float(), w.float().t(), row_tile, col_tile)
-    return y.to(out_dtype or x.dtype)
+    m, k = w.shape
+    wt = w.float().t()
+    pad = (-m) % col_tile
+    if pad:
+        wt = torch.cat([wt, wt.new_zeros((k, pad))], dim=1)
+    xf = x.float()
+    if m == 0:
+        return xf.new_zeros((x.shape[0], 0)).to(out_dtype or x.dtype)
+    y = torch.cat([tile_mm(xf, wt[:, c : c + col_tile].contiguous(), row_tile) for c in range(0, m + pad, col_tile)], dim=1)
+    return y[:, :m].to(out_dtype or x.dtype)
 
 
 def iso_row_linear(x: torch.Tensor, w: torch.Tensor, row_tile: int, leaves: int,
