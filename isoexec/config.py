@@ -110,6 +110,8 @@ class KernelSection(_Section):
     row_tile: PositiveInt = Field(16, description="CPU: rows per GEMM tile; every GEMM call has this many rows")
     col_tile: int = Field(16, ge=2, description="CPU: output features per GEMM tile of the column-parallel regions "
                           "(a tensor-parallel shard then reproduces the full product's columns)")
+    attn_row_tile: PositiveInt = Field(16, description="CPU: query rows per attention tile (one sequence and KV head); "
+                                       "a decode step fills one tile per sequence, so this stays small")
     leaves: PositiveInt = Field(8, description="pik leaves over K of the row-parallel GEMMs (out_proj, down_proj); TP must divide it")
     kv_block: PositiveInt = Field(64, description="attention KV block size in absolute positions")
     vocab_block: PositiveInt = Field(256, description="vocabulary block of the logprob reduction")

@@ -2,19 +2,19 @@
 
 import torch
 
-from isoexec.kernels.primitives import sigmoid, silu, softplus, tile_mm, tree_sum
+from isoexec.kernels.primitives import sigmoid, silu, softplus, tile_mm, tile_mms, tree_sum
 
 
 def test_tile_mm_row_bits_independent_of_row_count_and_position():
     torch.manual_seed(0)
-    for k, m in [(64, 1), (64, 4), (128, 512), (512, 128), (32, 96)]:
+    for rt, k, m in [(16, 64, 1), (16, 64, 4), (16, 128, 512), (16, 512, 128), (16, 32, 96), (64, 128, 64), (64, 8, 128)]:
         w = torch.randn(k, m)
-        x = torch.randn(70, k)
-        alone = tile_mm(x[:1], w, 16)
-        for n in (2, 3, 5, 16, 17, 70):
-            assert torch.equal(tile_mm(x[:n], w, 16)[:1], alone), (k, m, n)
+        x = torch.randn(150, k)
+        alone = tile_mm(x[:1], w, rt)
+        for n in (2, 3, 5, 16, 17, 70, 150):
+            assert torch.equal(tile_mm(x[:n], w, rt)[:1], alone), (rt, k, m, n)
         # the same row at another position of another tile
-        assert torch.equal(tile_mm(torch.cat([x[1:40], x[:1]]), w, 16)[-1:], alone)
+        assert torch.equal(tile_mm(torch.cat([x[1:100], x[:1]]), w, rt)[-1:], alone)
 
 
 def test_native_matmul_row_bits_depend_on_row_count():
@@ -60,8 +60,8 @@ def test_fixed_tile_gemm_column_bits_independent_of_position_and_neighbours():
     from isoexec.kernels.gemm.cpu import iso_linear
 
     g = torch.Generator().manual_seed(0)
-    for k, ct in [(64, 16), (128, 16), (512, 8), (1024, 2)]:
-        x = torch.randn(16, k, generator=g)
+    for rt, k, ct in [(16, 64, 16), (16, 128, 16), (16, 512, 8), (16, 1024, 2), (64, 128, 64), (64, 64, 64)]:
+        x = torch.randn(rt, k, generator=g)
         w = torch.randn(k, ct, generator=g)
         ref = torch.mm(x, w)
         for _ in range(4):
@@ -94,3 +94,21 @@ def test_tile_mm_gradient_is_the_matmul_gradient():
     assert torch.allclose(x.grad, x2.grad, atol=1e-5) and torch.allclose(w.grad, w2.grad, atol=1e-5)
     with torch.no_grad():
         assert torch.equal(tile_mm(x, w, 16), tile_mm(x.detach(), w.detach(), 16))  # same forward bits
+
+
+def test_tile_mms_gives_each_pair_the_bits_of_its_own_tile_mm():
+    """Several GEMMs in one call (a linear's column tiles sharing x, a pik GEMM's leaves): each output is
+    bitwise ``tile_mm`` of its pair alone, with and without autograd; the gradient is the matmul's."""
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(37, 24, generator=g, requires_grad=True)
+    other = torch.randn(5, 24, generator=g)
+    ws = [torch.randn(24, m, generator=g, requires_grad=True) for m in (8, 16, 3)]
+    pairs = [(x, ws[0]), (x, ws[1]), (other, ws[2])]
+    with torch.no_grad():
+        alone = [tile_mm(a, b, 16) for a, b in pairs]
+        assert all(torch.equal(y, r) for y, r in zip(tile_mms(pairs, 16), alone))
+    ys = tile_mms(pairs, 16)
+    assert all(torch.equal(y.detach(), r) for y, r in zip(ys, alone))
+    sum((y * (i + 1)).sum() for i, y in enumerate(ys)).backward()
+    assert torch.allclose(x.grad, ws[0].sum(1) + 2 * ws[1].sum(1), atol=1e-5)
+    assert torch.allclose(ws[2].grad, 3 * other.sum(0)[:, None].expand(24, 3), atol=1e-5)

@@ -21,34 +21,68 @@ from __future__ import annotations
 import torch
 
 
-class _TileMM(torch.autograd.Function):
-    """Forward: one ``torch.mm`` per row tile (the bits). Backward: two plain matmuls (the gradient
-    need not be bitwise; one autograd node instead of one per tile)."""
+class _TileMMs(torch.autograd.Function):
+    """Forward: every pair's GEMM, one ``torch.mm`` per row tile (the bits). Backward: two plain
+    matmuls per pair (the gradient need not be bitwise; one autograd node for all pairs instead of
+    one per tile)."""
 
     @staticmethod
-    def forward(ctx, x, w, row_tile):  # noqa: D102
-        ctx.save_for_backward(x, w)
-        return _tile_mm(x, w, row_tile)
+    def forward(ctx, row_tile, *xw):  # noqa: D102
+        ctx.save_for_backward(*xw)
+        return tuple(_tile_mm_pairs([(xw[i], xw[i + 1]) for i in range(0, len(xw), 2)], row_tile))
 
     @staticmethod
-    def backward(ctx, g):  # noqa: D102
-        x, w = ctx.saved_tensors
-        gx = g @ w.t() if ctx.needs_input_grad[0] else None
-        gw = x.t() @ g if ctx.needs_input_grad[1] else None
-        return gx, gw, None
+    def backward(ctx, *gs):  # noqa: D102
+        xw = ctx.saved_tensors
+        grads: list[torch.Tensor | None] = [None]
+        for j, g in enumerate(gs):
+            x, w = xw[2 * j], xw[2 * j + 1]
+            grads.append(g @ w.t() if ctx.needs_input_grad[1 + 2 * j] else None)
+            grads.append(x.t() @ g if ctx.needs_input_grad[2 + 2 * j] else None)
+        return tuple(grads)
 
 
-def _tile_mm(x: torch.Tensor, w: torch.Tensor, row_tile: int) -> torch.Tensor:
-    n, k = x.shape
-    m = w.shape[1]
-    if n == 0:
-        return x.new_zeros((0, m))
-    pad = (-n) % row_tile
+def _row_tiles(x: torch.Tensor, row_tile: int) -> list[torch.Tensor]:
+    """``x`` zero-padded to a multiple of ``row_tile`` rows, as its row tiles (views)."""
+    pad = (-x.shape[0]) % row_tile
     if pad:
-        x = torch.cat([x, x.new_zeros((pad, k))], dim=0)
-    w = w.contiguous()
-    out = torch.cat([torch.mm(t, w) for t in x.split(row_tile)], dim=0)
-    return out[:n]
+        x = torch.nn.functional.pad(x, (0, 0, 0, pad))
+    return list(x.split(row_tile))
+
+
+def _tile_mm_pairs(pairs, row_tile: int) -> list[torch.Tensor]:
+    """One ``torch.mm`` per (pair, row tile); an ``x`` shared by several pairs is padded and split once."""
+    tiles: dict[int, list[torch.Tensor]] = {}
+    out = []
+    for x, w in pairs:
+        n, m = x.shape[0], w.shape[1]
+        if n == 0:
+            out.append(x.new_zeros((0, m)))
+            continue
+        ts = tiles.get(id(x))
+        if ts is None:
+            ts = tiles[id(x)] = _row_tiles(x, row_tile)
+        w = w.contiguous()
+        out.append(torch.mm(ts[0], w)[:n] if len(ts) == 1 else torch.cat([torch.mm(t, w) for t in ts])[:n])
+    return out
+
+
+def tile_mms(pairs: list[tuple[torch.Tensor, torch.Tensor]], row_tile: int) -> list[torch.Tensor]:
+    """:func:`tile_mm` of every ``(x, w)`` pair, as one autograd node (the column tiles of one
+    linear, the leaves of a pik GEMM).
+
+    Args:
+        pairs: ``(x [N_j, K_j], w [K_j, M_j])`` in the dtype of the computation (fp32 here).
+        row_tile: T, rows per GEMM tile (a contract constant).
+
+    Returns:
+        per pair ``[N_j, M_j]``, bitwise :func:`tile_mm` of that pair. Differentiable (plain-matmul
+        gradients).
+    """
+    flat = [t for xw in pairs for t in xw]
+    if torch.is_grad_enabled() and any(t.requires_grad for t in flat):
+        return list(_TileMMs.apply(row_tile, *flat))
+    return _tile_mm_pairs(pairs, row_tile)
 
 
 def tile_mm(x: torch.Tensor, w: torch.Tensor, row_tile: int) -> torch.Tensor:
@@ -68,9 +102,7 @@ def tile_mm(x: torch.Tensor, w: torch.Tensor, row_tile: int) -> torch.Tensor:
         the row's position in its tile). Differentiable: the gradient is that of ``x @ w`` computed
         by two plain matmuls (not bitwise; the forward is).
     """
-    if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
-        return _TileMM.apply(x, w, row_tile)
-    return _tile_mm(x, w, row_tile)
+    return tile_mms([(x, w)], row_tile)[0]
 
 
 def tree_sum(x: torch.Tensor, dim: int = -1, keepdim: bool = False) -> torch.Tensor:

@@ -44,11 +44,17 @@ class Batch:
         self.starts, self.caches, self.grad = starts, caches, grad
         self.lengths = [int(r.numel()) for r in seq_rows]
         self.all_rows = torch.cat(self.seq_rows) if seq_rows else torch.zeros(0, dtype=torch.long, device=dev)
+        lengths = torch.tensor(self.lengths, dtype=torch.long)
+        first = torch.cumsum(lengths, 0) - lengths  # each piece's first index in all_rows
+        within = torch.arange(int(lengths.sum())) - torch.repeat_interleave(first, lengths)
         positions = torch.zeros(n_rows, dtype=torch.long)
-        for rows, s in zip(seq_rows, starts):
-            positions[rows] = torch.arange(s, s + rows.numel())
+        positions[self.all_rows.cpu()] = torch.repeat_interleave(torch.tensor(starts, dtype=torch.long), lengths) + within
         self.positions = positions.to(dev)
         self.rope = rope_cos_sin(self.positions, inv_freq, dtype)
+
+    def pieces(self, *xs: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
+        """Per tensor ``[N, ...]``, its rows of each sequence piece in order (one gather per tensor)."""
+        return [tuple(x[self.all_rows].split(self.lengths)) for x in xs]
 
     def scatter(self, packed: torch.Tensor, n: int) -> torch.Tensor:
         """Place per-sequence outputs (concatenated in sequence order) back at their rows; pad rows get 0."""
@@ -111,8 +117,7 @@ class Attention(nn.Module):
         v = proj(x, self.v_proj.weight).view(n, self.hkv, self.d)
         q, k = ks["attn.rope"](q, *batch.rope), ks["attn.rope"](k, *batch.rope)
         kv = []
-        for rows, cache in zip(batch.seq_rows, batch.caches):
-            kb, vb = k[rows], v[rows]
+        for kb, vb, cache in zip(*batch.pieces(k, v), batch.caches):
             if cache is not None:
                 kb, vb = cache.append_kv(self.layer_idx, kb.detach(), vb.detach())
             kv.append((kb, vb))
@@ -156,8 +161,7 @@ class GatedDeltaNet(nn.Module):
         mixed, z, b, a = self.project(ks, x)
         zero = mixed.new_zeros(self.kc - 1, self.conv_dim)
         prefixes = [zero if c is None or self.layer_idx not in c.conv else c.conv[self.layer_idx] for c in batch.caches]
-        conv_out, new_prefixes = ks["gdn.conv1d"]([mixed[rows] for rows in batch.seq_rows],
-                                                  self.conv1d.weight.squeeze(1), prefixes)
+        conv_out, new_prefixes = ks["gdn.conv1d"](batch.pieces(mixed)[0], self.conv1d.weight.squeeze(1), prefixes)
         for cache, p in zip(batch.caches, new_prefixes):
             if cache is not None:
                 cache.conv[self.layer_idx] = p.detach()

@@ -22,7 +22,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 
 from isoexec.kernels.primitives import sigmoid, tree_sum
 
@@ -48,42 +47,15 @@ def iso_attention(
         ``[N, Hq, D]`` in ``q.dtype``; scale ``1/sqrt(D)``. Differentiable.
     """
     n_total, hq, d = q.shape
-    hkv = kv[0][0].shape[1] if kv else 1
+    if not lengths or n_total == 0:
+        return q.new_zeros(q.shape)
+    hkv = kv[0][0].shape[1]
     group = hq // hkv
     scale = 1.0 / math.sqrt(d)
-    qf = q.float() * scale
-    # Tiles: T rows of one (sequence, kv head). Row r of a (sequence, kv head) group is query r // group
-    # of that sequence, head h * group + r % group; ``dest`` is its index in ``out.view(N * Hq, D)``.
-    tiles_q, tiles_pos, tiles_seq, tiles_head, dest = [], [], [], [], []
-    row0 = 0
-    for b, (start, n) in enumerate(zip(starts, lengths)):
-        r = torch.arange(n * group)
-        pos = start + r // group
-        for h in range(hkv):
-            rows = qf[row0 : row0 + n, h * group : (h + 1) * group].reshape(n * group, d)
-            flat = (row0 + r // group) * hq + h * group + r % group
-            for t0 in range(0, n * group, row_tile):
-                t1 = min(t0 + row_tile, n * group)
-                pad = row_tile - (t1 - t0)
-                tiles_q.append(F.pad(rows[t0:t1], (0, 0, 0, pad)))
-                tiles_pos.append(F.pad(pos[t0:t1], (0, pad)))  # pad rows attend key 0; discarded
-                tiles_seq.append(b)
-                tiles_head.append(h)
-                dest.append(F.pad(flat[t0:t1], (0, pad), value=-1))
-        row0 += n
-    if not tiles_q:
-        return q.new_zeros(q.shape)
-    Q = torch.stack(tiles_q)  # [nt, T, D]
-    P = torch.stack(tiles_pos)  # [nt, T]
+    Q, P, dest, tile_seq, tile_head = _query_tiles(q.float() * scale, starts, lengths, hkv, group, row_tile)
     nt = Q.shape[0]
     n_blocks = max(math.ceil((s + n) / kv_block) for s, n in zip(starts, lengths))
-    Lpad = n_blocks * kv_block
-    Kpad = torch.stack([F.pad(k.float(), (0, 0, 0, 0, 0, Lpad - k.shape[0])) for k, _ in kv])  # [B, Lpad, Hkv, D]
-    Vpad = torch.stack([F.pad(v.float(), (0, 0, 0, 0, 0, Lpad - v.shape[0])) for _, v in kv])
-    seq_idx = torch.tensor(tiles_seq)
-    head_idx = torch.tensor(tiles_head)
-    Kt = Kpad[seq_idx, :, head_idx]  # [nt, Lpad, D]
-    Vt = Vpad[seq_idx, :, head_idx]
+    Kt, Vt = _key_tiles(kv, tile_seq, tile_head, n_blocks * kv_block)  # [nt, Lpad, D] each
     m = Q.new_full((nt, row_tile, 1), float("-inf"))
     l = Q.new_zeros((nt, row_tile, 1))
     acc = Q.new_zeros((nt, row_tile, d))
@@ -101,10 +73,62 @@ def iso_attention(
         acc = acc * alpha + torch.bmm(p, vb)
         m = m_new
     out_t = (acc / l).reshape(nt * row_tile, d)
-    dest_idx = torch.cat(dest)
-    keep = dest_idx >= 0
-    out = out_t.new_zeros((n_total * hq, d)).index_copy(0, dest_idx[keep], out_t[keep])
+    keep = dest >= 0
+    out = out_t.new_zeros((n_total * hq, d)).index_copy(0, dest[keep], out_t[keep])
     return out.reshape(n_total, hq, d).to(q.dtype)
+
+
+def _query_tiles(qf: torch.Tensor, starts: list[int], lengths: list[int], hkv: int, group: int, row_tile: int):
+    """The query tiles of :func:`iso_attention`, in (sequence, kv head, tile) order.
+
+    Row r of the (sequence b, kv head h) group is query ``r // group`` of b, head ``h * group + r % group``;
+    the group's rows are cut into tiles of ``row_tile``, the last one zero-padded (pad rows sit at
+    position 0 and are discarded).
+
+    Args:
+        qf: ``[N, Hq, D]`` fp32 scaled queries. starts, lengths: per sequence. hkv, group: KV heads and
+            query heads per KV head. row_tile: rows per tile.
+
+    Returns:
+        (Q ``[nt, T, D]``, positions ``[nt, T]`` int64, dest ``[nt * T]`` int64: each tile row's index in
+        ``qf.view(N * Hq, D)`` or -1 for a pad row, per tile its sequence ``[nt]`` and kv head ``[nt]``).
+    """
+    n_total, hq, d = qf.shape
+    n = torch.tensor(lengths, dtype=torch.long)
+    row0 = torch.cumsum(n, 0) - n
+    pair_seq = torch.arange(len(lengths)).repeat_interleave(hkv)  # (sequence, kv head) pairs, sequence-major
+    pair_head = torch.arange(hkv).repeat(len(lengths))
+    rows = n[pair_seq] * group
+    tiles = (rows + row_tile - 1) // row_tile
+    tile_pair = torch.arange(pair_seq.numel()).repeat_interleave(tiles)
+    tile_in_pair = torch.arange(tile_pair.numel()) - (torch.cumsum(tiles, 0) - tiles)[tile_pair]
+    r = tile_in_pair[:, None] * row_tile + torch.arange(row_tile)[None, :]  # [nt, T] row within its group
+    seq, head = pair_seq[tile_pair][:, None], pair_head[tile_pair][:, None]
+    valid = r < rows[tile_pair][:, None]
+    token = row0[seq] + r // group
+    dest = torch.where(valid, token * hq + head * group + r % group, -1)
+    flat = torch.cat([qf.reshape(n_total * hq, d), qf.new_zeros(1, d)])
+    Q = flat[torch.where(valid, dest, n_total * hq)]
+    P = torch.where(valid, torch.tensor(starts, dtype=torch.long)[seq] + r // group, 0)
+    return Q, P, dest.reshape(-1), pair_seq[tile_pair], pair_head[tile_pair]
+
+
+def _key_tiles(kv: list[tuple[torch.Tensor, torch.Tensor]], tile_seq: torch.Tensor, tile_head: torch.Tensor,
+               length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per query tile its sequence's keys and values of its kv head, fp32, zero-padded to ``length``
+    positions: (K ``[nt, length, D]``, V ``[nt, length, D]``)."""
+    sizes = torch.tensor([k.shape[0] for k, _ in kv], dtype=torch.long)
+    base = torch.cumsum(sizes, 0) - sizes
+    pos = torch.arange(length)
+    hkv, d = kv[0][0].shape[1:]
+    # row of (sequence, position, head) in the stacked caches, or the zero row past a sequence's end
+    src = torch.where(pos[None, :] < sizes[tile_seq][:, None], (base[tile_seq][:, None] + pos[None, :]) * hkv
+                      + tile_head[:, None], int(sizes.sum()) * hkv)
+    out = []
+    for which in (0, 1):
+        flat = torch.cat([t[which].reshape(-1, d) for t in kv]).float()
+        out.append(torch.cat([flat, flat.new_zeros(1, d)])[src])
+    return out[0], out[1]
 
 
 def iso_sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:

@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from isoexec.kernels.moe.routing import routing_order_sum
-from isoexec.kernels.primitives import tile_mm
+from isoexec.kernels.primitives import tile_mms
 
 __all__ = [
     "native_expert_parallel_combine",
@@ -163,11 +163,9 @@ def pik_row_parallel_partial(
         )
     width = k_local // per_rank
     xf, wf = x_shard.float(), w_shard.float()
-    parts = []
-    for j in range(per_rank):
-        a, b = j * width, (j + 1) * width
-        parts.append(tile_mm(xf[:, a:b].contiguous(), wf[:, a:b].t().contiguous(), row_tile))
-    return pik_tree_combine(parts)
+    leaves_xw = [(xf[:, j * width : (j + 1) * width].contiguous(), wf[:, j * width : (j + 1) * width].t())
+                 for j in range(per_rank)]
+    return pik_tree_combine(tile_mms(leaves_xw, row_tile))
 
 
 def pik_all_reduce(partial: torch.Tensor, group=None) -> torch.Tensor:
@@ -309,7 +307,7 @@ def pik_column_linear(
     if col_tile < 1 or m % col_tile != 0:
         raise ValueError(f"output features M={m} are not divisible by col_tile={col_tile}")
     xf, wf = x.float(), w.float()
-    cols = [tile_mm(xf, wf[c : c + col_tile].t().contiguous(), row_tile) for c in range(0, m, col_tile)]
+    cols = tile_mms([(xf, wf[c : c + col_tile].t()) for c in range(0, m, col_tile)], row_tile)
     return torch.cat(cols, dim=1).to(out_dtype or x.dtype)
 
 

@@ -26,18 +26,19 @@ def iso_causal_conv1d(pieces: list[torch.Tensor], w: torch.Tensor, prefixes: lis
     """
     kc = w.shape[1]
     dtype = pieces[0].dtype
-    parts, rows, ends, off = [], [], [], 0
-    for x, p in zip(pieces, prefixes):
-        parts += [p.to(dtype), x]
-        rows.append(torch.arange(off, off + x.shape[0]))
-        off += x.shape[0] + kc - 1
-        ends.append(off)
-    ext = torch.cat(parts, dim=0).float()
-    idx = torch.cat(rows)
+    parts = [t for x, p in zip(pieces, prefixes) for t in (p.to(dtype), x)]
+    ext = torch.cat(parts, dim=0).float()  # [prefix_0 | x_0 | prefix_1 | x_1 | ...]
+    lens = torch.tensor([x.shape[0] for x in pieces], dtype=torch.long)
+    ends = torch.cumsum(lens + (kc - 1), 0)  # end of each piece's span in ext
+    starts = ends - lens - (kc - 1)
+    # row of output t of piece b: its first tap, ext[start_b + t]
+    idx = torch.arange(int(lens.sum())) + torch.repeat_interleave(starts - (torch.cumsum(lens, 0) - lens), lens)
     wf = w.float()
     acc = ext[idx] * wf[:, 0]
     for j in range(1, kc):
         acc = acc + ext[idx + j] * wf[:, j]
-    ys = list(silu(acc).to(dtype).split([x.shape[0] for x in pieces]))
-    new_prefixes = [ext[e - (kc - 1) : e].to(dtype) if kc > 1 else p for e, p in zip(ends, prefixes)]
-    return ys, new_prefixes
+    ys = list(silu(acc).to(dtype).split(lens.tolist()))
+    if kc == 1:
+        return ys, list(prefixes)
+    tail = ext[(ends[:, None] - (kc - 1)) + torch.arange(kc - 1)[None, :]].to(dtype)  # [B, Kc-1, C]
+    return ys, list(tail.unbind(0))

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from isoexec.kernels.collectives.pik import pik_row_parallel_partial
-from isoexec.kernels.primitives import tile_mm
+from isoexec.kernels.primitives import tile_mms
 
 
 def iso_linear(x: torch.Tensor, w: torch.Tensor, row_tile: int, col_tile: int,
@@ -49,7 +49,7 @@ def iso_linear(x: torch.Tensor, w: torch.Tensor, row_tile: int, col_tile: int,
     xf = x.float()
     if m == 0:
         return xf.new_zeros((x.shape[0], 0)).to(out_dtype or x.dtype)
-    y = torch.cat([tile_mm(xf, wt[:, c : c + col_tile].contiguous(), row_tile) for c in range(0, m + pad, col_tile)], dim=1)
+    y = torch.cat(tile_mms([(xf, wt[:, c : c + col_tile]) for c in range(0, m + pad, col_tile)], row_tile), dim=1)
     return y[:, :m].to(out_dtype or x.dtype)
 
 

@@ -42,8 +42,8 @@ def iso_swiglu_partial(x, wg, wu, wd, tp: int, row_tile: int, col_tile: int, lea
         with :func:`~isoexec.kernels.collectives.pik.pik_tree_combine` in rank order gives the bits
         of ``tp=1``.
     """
-    g = iso_linear(x, wg, row_tile, col_tile)
-    u = iso_linear(x, wu, row_tile, col_tile)
+    # gate and up in one column-tiled GEMM: a column's bits do not depend on its neighbours (iso_linear)
+    g, u = iso_linear(x, torch.cat([wg, wu]), row_tile, col_tile).split([wg.shape[0], wu.shape[0]], dim=1)
     h = (silu(g.float()) * u.float()).to(x.dtype)
     return pik_row_parallel_partial(h, wd, tp, leaves, row_tile)
 
@@ -65,12 +65,33 @@ def iso_experts(x: torch.Tensor, ids: torch.Tensor, experts, row_tile: int, col_
         ``[N, k, H]`` fp32 expert outputs per (token, routing rank).
     """
     y = x.new_zeros((x.shape[0], ids.shape[1], x.shape[1]), dtype=torch.float32)
-    for eid, (wg, wu, wd) in enumerate(experts):
-        tok, rank = torch.nonzero(ids == eid, as_tuple=True)
-        if tok.numel() == 0:
-            continue
+    for eid, (tok, rank) in routed_by_expert(ids).items():
+        wg, wu, wd = experts[eid]
         y = y.index_put((tok, rank), iso_swiglu(x[tok], wg, wu, wd, row_tile, col_tile, leaves).float())
     return y
+
+
+def routed_by_expert(ids: torch.Tensor, experts=None) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """The (token, routing rank) pairs routed to each expert, tokens ascending (one sort for all experts).
+
+    Args:
+        ids: ``[N, k]`` int64 expert ids. experts: the expert ids to return (a set; default all).
+
+    Returns:
+        expert id -> (tokens ``[n_e]``, ranks ``[n_e]``) for each expert with at least one pair, in the
+        order ``torch.nonzero(ids == e)`` gives them.
+    """
+    flat = ids.reshape(-1)
+    order = torch.sort(flat, stable=True).indices  # expert-major; within an expert, (token, rank) ascending
+    counts = torch.bincount(flat).tolist()
+    k = ids.shape[1]
+    out, start = {}, 0
+    for e, n in enumerate(counts):
+        if n and (experts is None or e in experts):
+            sel = order[start : start + n]
+            out[e] = (sel // k, sel % k)
+        start += n
+    return out
 
 
 def iso_shared_expert(x: torch.Tensor, shared, gate_w: torch.Tensor, row_tile: int, col_tile: int,

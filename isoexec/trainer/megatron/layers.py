@@ -132,14 +132,13 @@ class CpuShards:
     def experts_partial(self, x, ids, local_ids: list[int], weights, etp: int) -> torch.Tensor:
         """This rank's experts ``local_ids`` (shards ``weights`` = per expert (gate, up, down)) for the
         (token, slot) pairs routed to them: ``[N, k, H]`` fp32 subtree sums, zeros elsewhere."""
-        from isoexec.kernels.moe.cpu import iso_swiglu_partial
+        from isoexec.kernels.moe.cpu import iso_swiglu_partial, routed_by_expert
 
         c = self.kernels["moe.experts"].constants
         part = x.new_zeros((x.shape[0], ids.shape[1], x.shape[1]), dtype=torch.float32)
-        for eid, (wg, wu, wd) in zip(local_ids, weights):
-            tok, slot = torch.nonzero(ids == eid, as_tuple=True)
-            if tok.numel() == 0:
-                continue
+        local = dict(zip(local_ids, weights))
+        for eid, (tok, slot) in routed_by_expert(ids, set(local)).items():
+            wg, wu, wd = local[eid]
             sub = iso_swiglu_partial(x[tok], wg, wu, wd, etp, c["row_tile"], c["col_tile"], c["leaves"])
             part = part.index_put((tok, slot), sub)
         return part
