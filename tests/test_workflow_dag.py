@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from isoexec.config import load_config
+
 ROOT = Path(__file__).resolve().parents[1]
 SNAKEMAKE = Path(sys.executable).with_name("snakemake")
 pytestmark = pytest.mark.skipif(not SNAKEMAKE.exists(), reason="snakemake not installed beside python")
@@ -35,7 +37,9 @@ def test_dry_run_reproduce_covers_every_stage_for_the_default_experiment():
     r = snakemake("-n", "--forceall", "reproduce")
     assert r.returncode == 0, r.stdout + r.stderr
     counts = job_counts(r.stdout)
-    assert counts["rl_train"] == 4  # rl.modes x rl.seeds of experiments/cpu-tiny.yaml
+    rl = load_config(ROOT / "experiments" / "cpu-tiny.yaml").rl
+    assert len(rl.modes) * len(rl.seeds) == 6  # the embedded default: 2 modes x 3 seeds (issue 13)
+    assert counts["rl_train"] == len(rl.modes) * len(rl.seeds)
     for rule in ("experiment_settings", "init_model", "sft", "gates", "rollout_check", "report_tables",
                  "report_figures", "notebook"):
         assert counts[rule] == 1, rule

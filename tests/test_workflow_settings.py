@@ -5,6 +5,7 @@ refused before any job (dry runs), with and without Snakemake metadata, and the 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -87,7 +88,9 @@ def test_changed_config_under_a_recorded_name_is_refused(tmp_path, metadata):
 def test_copy_of_the_default_with_other_steps_cannot_touch_the_committed_results(tmp_path):
     mine = tmp_path / "mine.yaml"
     steps = load_config(ROOT / "experiments" / "cpu-tiny.yaml").rl.steps
-    mine.write_text((ROOT / "experiments" / "cpu-tiny.yaml").read_text().replace(f"\n  steps: {steps}\n", "\n  steps: 5\n"))
+    text, n = re.subn(rf"^(  steps: ){steps}\b", r"\g<1>5", (ROOT / "experiments" / "cpu-tiny.yaml").read_text(), flags=re.M)
+    assert n == 1, "the copy must differ from the default in rl.steps"
+    mine.write_text(text)
     r = subprocess.run([str(SNAKEMAKE), "-s", str(ROOT / "Snakefile"), "-n", "reproduce", "--configfile", str(mine)],
                        cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 2, r.stdout + r.stderr
