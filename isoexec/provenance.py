@@ -77,6 +77,28 @@ def cpu_model() -> str | None:
     return platform.processor() or None
 
 
+ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16")
+"""The /proc/cpuinfo flags that change which CPU kernels torch, oneDNN and vLLM's CPU build dispatch to
+(bf16 GEMMs in particular), so two machines with one model name can be told apart."""
+
+
+def cpu_isa() -> dict[str, Any] | None:
+    """``{"family", "model", "flags"}`` of CPU 0 from /proc/cpuinfo (Linux): family and model numbers
+    as ints (e.g. AMD family 25 model 1 is Zen 3), ``flags`` the sorted members of :data:`ISA_FLAGS`
+    it has; ``None`` where /proc/cpuinfo is absent or unreadable."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None
+    fields: dict[str, str] = {}
+    for line in text.split("\n\n", 1)[0].splitlines():
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip().lower(), value.strip())
+    have = set(fields.get("flags", "").split())
+    num = lambda k: int(fields[k]) if fields.get(k, "").isdigit() else None  # noqa: E731
+    return {"family": num("cpu family"), "model": num("model"), "flags": sorted(f for f in ISA_FLAGS if f in have)}
+
+
 def device() -> str:
     """Name of CUDA device 0 if torch sees one, else ``"cpu"`` (torch imported only if installed)."""
     try:
@@ -107,7 +129,7 @@ def provenance(command: str | None = None) -> dict[str, Any]:
         command: the command line to record (default: ``sys.argv`` joined with shell quoting).
 
     Returns:
-        ``{"git": {"commit", "dirty"}, "hostname", "machine", "platform", "cpu", "device",
+        ``{"git": {"commit", "dirty"}, "hostname", "machine", "platform", "cpu", "cpu_isa", "device",
         "python", "packages": {name: version or None}, "command", "date_utc"}``.
     """
     return {
@@ -116,6 +138,7 @@ def provenance(command: str | None = None) -> dict[str, Any]:
         "machine": platform.machine(),
         "platform": platform.platform(),
         "cpu": cpu_model(),
+        "cpu_isa": cpu_isa(),
         "device": device(),
         "python": platform.python_version(),
         "packages": package_versions(),

@@ -178,7 +178,7 @@ def test_atomic_write_keeps_file_mode(tmp_path):
 def test_provenance_has_every_field():
     prov = provenance("isoexec gates")
     assert prov["command"] == "isoexec gates"
-    for k in ("git", "hostname", "machine", "platform", "cpu", "device", "python", "packages", "date_utc"):
+    for k in ("git", "hostname", "machine", "platform", "cpu", "cpu_isa", "device", "python", "packages", "date_utc"):
         assert k in prov, k
     assert set(prov["git"]) == {"commit", "dirty"}
     assert prov["packages"]["torch"]  # installed in the venv
@@ -186,6 +186,20 @@ def test_provenance_has_every_field():
         assert name in prov["packages"]
     assert prov["date_utc"].endswith("+00:00")
     json.dumps(prov)
+
+
+def test_cpu_isa_reads_family_model_and_the_dispatch_flags(tmp_path, monkeypatch):
+    from isoexec import provenance as prov_mod
+
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\ncpu family\t: 25\nmodel\t\t: 17\nmodel name\t: AMD EPYC\n"
+                    "flags\t\t: fpu avx2 fma avx512f avx512_bf16 sse4_2\n\nprocessor\t: 1\ncpu family\t: 6\n"
+                    "flags\t\t: avx2 amx_tile\n")
+    real = prov_mod.Path
+    monkeypatch.setattr(prov_mod, "Path", lambda p: info if p == "/proc/cpuinfo" else real(p))
+    assert prov_mod.cpu_isa() == {"family": 25, "model": 17, "flags": ["avx2", "avx512_bf16", "avx512f", "fma"]}
+    monkeypatch.setattr(prov_mod, "Path", lambda p: tmp_path / "missing" if p == "/proc/cpuinfo" else real(p))
+    assert prov_mod.cpu_isa() is None
 
 
 def test_provenance_does_not_fail_without_git(monkeypatch):
