@@ -66,34 +66,38 @@ def git_info(cwd: str | os.PathLike | None = None) -> dict[str, Any]:
     return {"commit": commit, "dirty": None if status is None else bool(status)}
 
 
-def cpu_model() -> str | None:
-    """CPU model name from /proc/cpuinfo (Linux), else ``platform.processor()``, else ``None``."""
+def _cpu0_fields(cpuinfo: str | os.PathLike) -> dict[str, str] | None:
+    """The ``key: value`` fields of the first processor block of a /proc/cpuinfo file (keys lower-case),
+    or ``None`` where the file is absent or unreadable."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.lower().startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or None
-
-
-ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16")
-"""The /proc/cpuinfo flags that change which CPU kernels torch, oneDNN and vLLM's CPU build dispatch to
-(bf16 GEMMs in particular), so two machines with one model name can be told apart."""
-
-
-def cpu_isa() -> dict[str, Any] | None:
-    """``{"family", "model", "flags"}`` of CPU 0 from /proc/cpuinfo (Linux): family and model numbers
-    as ints (e.g. AMD family 25 model 1 is Zen 3), ``flags`` the sorted members of :data:`ISA_FLAGS`
-    it has; ``None`` where /proc/cpuinfo is absent or unreadable."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
+        text = Path(cpuinfo).read_text()
     except OSError:
         return None
     fields: dict[str, str] = {}
     for line in text.split("\n\n", 1)[0].splitlines():
         key, _, value = line.partition(":")
         fields.setdefault(key.strip().lower(), value.strip())
+    return fields
+
+
+def cpu_model(cpuinfo: str | os.PathLike = "/proc/cpuinfo") -> str | None:
+    """CPU model name from /proc/cpuinfo (Linux), else ``platform.processor()``, else ``None``."""
+    fields = _cpu0_fields(cpuinfo) or {}
+    return fields.get("model name") or platform.processor() or None
+
+
+ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16")
+"""The /proc/cpuinfo flags that select which CPU kernels torch, oneDNN and vLLM's CPU build run (bf16
+GEMMs in particular), so two machines of one model name can be told apart."""
+
+
+def cpu_isa(cpuinfo: str | os.PathLike = "/proc/cpuinfo") -> dict[str, Any] | None:
+    """``{"family", "model", "flags"}`` of CPU 0 from /proc/cpuinfo (Linux): family and model numbers
+    as ints (None where absent, e.g. on ARM), ``flags`` the sorted members of :data:`ISA_FLAGS` it has;
+    ``None`` where the file is absent or unreadable."""
+    fields = _cpu0_fields(cpuinfo)
+    if fields is None:
+        return None
     have = set(fields.get("flags", "").split())
     num = lambda k: int(fields[k]) if fields.get(k, "").isdigit() else None  # noqa: E731
     return {"family": num("cpu family"), "model": num("model"), "flags": sorted(f for f in ISA_FLAGS if f in have)}

@@ -188,18 +188,16 @@ def test_provenance_has_every_field():
     json.dumps(prov)
 
 
-def test_cpu_isa_reads_family_model_and_the_dispatch_flags(tmp_path, monkeypatch):
-    from isoexec import provenance as prov_mod
+def test_cpu_isa_and_model_read_the_first_processor_of_cpuinfo(tmp_path):
+    from isoexec.provenance import cpu_isa, cpu_model
 
     info = tmp_path / "cpuinfo"
-    info.write_text("processor\t: 0\ncpu family\t: 25\nmodel\t\t: 17\nmodel name\t: AMD EPYC\n"
+    info.write_text("processor\t: 0\ncpu family\t: 25\nmodel\t\t: 17\nmodel name\t: AMD EPYC 9R14\n"
                     "flags\t\t: fpu avx2 fma avx512f avx512_bf16 sse4_2\n\nprocessor\t: 1\ncpu family\t: 6\n"
-                    "flags\t\t: avx2 amx_tile\n")
-    real = prov_mod.Path
-    monkeypatch.setattr(prov_mod, "Path", lambda p: info if p == "/proc/cpuinfo" else real(p))
-    assert prov_mod.cpu_isa() == {"family": 25, "model": 17, "flags": ["avx2", "avx512_bf16", "avx512f", "fma"]}
-    monkeypatch.setattr(prov_mod, "Path", lambda p: tmp_path / "missing" if p == "/proc/cpuinfo" else real(p))
-    assert prov_mod.cpu_isa() is None
+                    "model name\t: other\nflags\t\t: avx2 amx_tile\n")
+    assert cpu_isa(info) == {"family": 25, "model": 17, "flags": ["avx2", "avx512_bf16", "avx512f", "fma"]}
+    assert cpu_model(info) == "AMD EPYC 9R14"
+    assert cpu_isa(tmp_path / "missing") is None
 
 
 def test_provenance_does_not_fail_without_git(monkeypatch):
