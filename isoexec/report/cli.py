@@ -44,7 +44,7 @@ def tables_command(exp_dir: ExpDir, mode: Modes = None, seed: Seeds = None) -> N
 
 @app.command("figures")
 def figures_command(exp_dir: ExpDir, mode: Modes = None, seed: Seeds = None) -> None:
-    """Write figures/{logprob_diff,reward,time}.{png,pdf}."""
+    """Write figures/{logprob_diff,is_ratio,reward,time}.{png,pdf}."""
     _run("figures", exp_dir, mode, seed)
 
 
