@@ -18,6 +18,12 @@ def test_bench_leaves_committed_results_alone(tmp_path, monkeypatch):
     assert r.exit_code == 0, r.output
     assert (tmp_path / "runs" / "ci-tiny" / "bench" / "model_throughput.csv").is_file()
     assert (tmp_path / "runs" / "ci-tiny" / "bench" / "model_throughput.provenance.json").is_file()
+    assert (tmp_path / "runs" / "ci-tiny" / "bench" / "region_times.provenance.json").is_file()
+    regions = (tmp_path / "runs" / "ci-tiny" / "bench" / "region_times.csv").read_text().splitlines()
+    assert regions[0].startswith("case,region,native_ms,isoexec_ms"), regions[0]
+    for case in ("trainer_score", "engine_prefill", "engine_decode"):
+        for region in ("gdn.core", "attn.core", "moe.experts", "(outside regions)", "(case)"):
+            assert any(r.startswith(f"{case},{region},") for r in regions), (case, region)
     assert not (tmp_path / "results").exists()
     on_purpose = CliRunner().invoke(app, ["bench", "--config", str(ROOT / "experiments" / "ci-tiny.yaml"), *TINY,
                                           "--out-dir", "results/ci-tiny/bench"])
@@ -48,3 +54,26 @@ def test_layout_names():
 
     assert [lay.name for lay in (Layout(), Layout(tp=2, sp=True), Layout(ep=2), Layout(tp=2, sp=True, ep=2))] == [
         "tp1", "tp2_sp", "ep2", "tp2_sp_ep2"]
+
+
+def test_timed_kernel_set_times_every_region_call_and_keeps_the_bits():
+    """The breakdown's kernel set is the same set (fingerprint, outputs) with a timer per region."""
+    import torch
+
+    from isoexec.bench.cpu import timed_kernel_set
+    from isoexec.config import load_config
+    from isoexec.model.build import random_model
+
+    cfg = load_config(ROOT / "experiments" / "ci-tiny.yaml")
+    model = random_model(cfg.model, cfg.kernels, "isoexec", vocab_size=64)
+    ids = torch.randint(0, 64, (70,), generator=torch.Generator().manual_seed(0))
+    cu = torch.tensor([0, 30, 70])
+    ref = model.trainer_logprobs(ids, cu)
+    ks = model.kernels
+    model.kernels, totals = timed_kernel_set(ks)
+    assert model.kernels.fingerprint == ks.fingerprint
+    out = model.trainer_logprobs(ids, cu)
+    model.kernels = ks
+    assert torch.equal(out, ref)
+    assert set(totals) >= {"gdn.core", "attn.core", "moe.experts", "lm_head", "logprob"}, sorted(totals)
+    assert all(t > 0 for t in totals.values())

@@ -7,13 +7,19 @@ Writes ``model_throughput.csv`` and ``model_throughput.provenance.json`` under `
 committed) or the ``--out-dir`` given; the committed reference is ``results/cpu-tiny/bench/``. When the
 experiment trains with Megatron (``trainer.backend: megatron``), also the trainer-step and pik
 row-parallel tables of :mod:`isoexec.bench.megatron_cpu` (``megatron_step.csv``, ``pik_row_parallel.csv``).
+
+Where the time goes: ``region_times.csv`` splits ``trainer_score``, ``engine_prefill`` and
+``engine_decode`` of both sets by kernel region (wall ms per case, medians over the repeats; every
+region call timed, the model's glue between regions on the ``(outside regions)`` row).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 import time
+from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -39,10 +45,11 @@ def _cases(model, seqs, decode_seqs: int, decode_steps: int):
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, vocab, (16,), generator=gen) for _ in range(decode_seqs)]
 
-    def decode():
+    def decode(started=lambda: None):
         caches = [model.new_cache() for _ in prompts]
         model.engine_step(caches, prompts, last_only=True)
         tok = [p[-1:] for p in prompts]
+        started()  # the timed part begins (region timers reset here)
         t0 = time.perf_counter()
         for _ in range(decode_steps):
             model.engine_step(caches, tok, last_only=True)
@@ -55,6 +62,63 @@ def _cases(model, seqs, decode_seqs: int, decode_steps: int):
         "engine_prefill": (prefill, n),
         "engine_decode": (decode, decode_seqs * decode_steps),
     }
+
+
+def timed_kernel_set(ks):
+    """A copy of kernel set ``ks`` whose every region call adds its wall time to ``totals[region]``
+    (seconds); same impls, constants and fingerprint. Returns ``(kernel set, totals)``."""
+    from isoexec.kernels.registry import KernelSet
+
+    totals: dict[str, float] = defaultdict(float)
+
+    def timed(region, fn):
+        def run(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                totals[region] += time.perf_counter() - t0
+        return run
+
+    impls = [dataclasses.replace(i, fn=timed(i.region, i.fn)) for i in ks.impls.values()]
+    return KernelSet(ks.mode, ks.arch, impls, ks.section, ks.topology), totals
+
+
+def region_breakdown(models: dict, cases: dict, repeats: int) -> list[dict]:
+    """Per case (``trainer_score``, ``engine_prefill``, ``engine_decode``) and kernel region, the wall
+    time of each set (ms, median over ``repeats`` interleaved runs after a warm-up).
+
+    Args:
+        models: kernel set name -> model. cases: name -> the :func:`_cases` of that model.
+
+    Returns:
+        rows ``case, region, native_ms, isoexec_ms, time_ratio_isoexec_over_native``; per case one
+        row per region either set calls, then ``(outside regions)`` (case time minus the regions'
+        sum: the model's glue) and ``(case)`` (the case time).
+    """
+    rows = []
+    for case in ("trainer_score", "engine_prefill", "engine_decode"):
+        per: dict[str, list[dict[str, float]]] = {"native": [], "isoexec": []}
+        for rep in range(repeats + 1):
+            for name, model in models.items():
+                ks = model.kernels
+                model.kernels, totals = timed_kernel_set(ks)
+                try:
+                    fn = cases[name][case][0]
+                    t0 = time.perf_counter()
+                    dt = fn(totals.clear) if case == "engine_decode" else fn()
+                    if case != "engine_decode":
+                        dt = time.perf_counter() - t0
+                finally:
+                    model.kernels = ks
+                if rep:  # rep 0 is the warm-up
+                    per[name].append({**totals, "(outside regions)": dt - sum(totals.values()), "(case)": dt})
+        names = sorted({r for runs in per.values() for run in runs for r in run if not r.startswith("(")})
+        for region in names + ["(outside regions)", "(case)"]:
+            med = {k: 1e3 * statistics.median(run.get(region, 0.0) for run in v) for k, v in per.items()}
+            rows.append({"case": case, "region": region, "native_ms": med["native"], "isoexec_ms": med["isoexec"],
+                         "time_ratio_isoexec_over_native": med["isoexec"] / med["native"] if med["native"] else None})
+    return rows
 
 
 def bench_command(
@@ -114,6 +178,11 @@ def bench_command(
     write_csv(out / "model_throughput.csv", rows)
     prov = json.dumps(provenance(), indent=2, sort_keys=True) + "\n"
     atomic_write_text(out / "model_throughput.provenance.json", prov)
+    regions = region_breakdown(models, cases, repeats)
+    write_csv(out / "region_times.csv", regions)
+    atomic_write_text(out / "region_times.provenance.json", prov)
+    for r in sorted((r for r in regions if r["case"] == "engine_decode"), key=lambda r: -r["isoexec_ms"])[:6]:
+        typer.echo(f"engine_decode {r['region']:20s} native {r['native_ms']:8.2f} ms  isoexec {r['isoexec_ms']:8.2f} ms")
     if "megatron" in {cfg.trainer.backend_for(m) for m in cfg.rl.modes}:
         from isoexec.bench.megatron_cpu import megatron_bench
 

@@ -1,5 +1,5 @@
 /* CPR in-chunk scan on CPU (region gdn.core): the plain gated delta rule, token by token, for many
- * (segment, head) states at once, one pass over each state per token.
+ * (segment, head) states at once.
  *
  * Per head with state S [DK, DV] (Yang, Kautz & Hatamizadeh, "Gated Delta Networks", ICLR 2025):
  *     S   = S * d_t                      d_t = exp(g_t), computed by the caller
@@ -13,6 +13,12 @@
  * over the DV columns, which are independent, so the SIMD width does not change a result, and a
  * state's result depends only on its own inputs (never on the number of states or its index).
  *
+ * Passes: the update of token t (S + k u^T, o_t) and the decay of token t+1 (S * d, kv) touch each
+ * row of S in the same order, so they run in one pass over the state: one pass per token, plus one
+ * for the first token's decay (which reads the start state, so the copy costs no pass of its own).
+ * Every element sees the same operations in the same order as in two passes per token; only the
+ * memory traffic changes.
+ *
  * Layout: tokens [N, H, D] (row-major, fp32); segment s covers token rows row0[s] .. row0[s]+len[s]-1,
  * starts from the H states at src[s] ([H, DK, DV] contiguous, only read) and leaves its final states
  * in S[s*H + h]; o [N, H, DV] receives the outputs of those rows.
@@ -20,42 +26,72 @@
 #include <stdint.h>
 #include <string.h>
 
-void isoexec_cpr_scan(float *S, const float *const *src, const float *q, const float *k, const float *v,
-                      const float *decay, const float *beta, float *o, const int64_t *row0, const int64_t *len,
-                      int64_t nseg, int64_t H, int64_t DK, int64_t DV, float *work) {
-    float *kv = work, *u = work + DV, *acc = work + 2 * DV;
+void isoexec_cpr_scan(float *restrict S, const float *const *src, const float *restrict q, const float *restrict k,
+                      const float *restrict v, const float *restrict decay, const float *restrict beta,
+                      float *restrict o, const int64_t *row0, const int64_t *len, int64_t nseg, int64_t H,
+                      int64_t DK, int64_t DV, float *restrict work) {
+    float *restrict kv = work, *restrict u = work + DV, *restrict acc = work + 2 * DV;
     for (int64_t s = 0; s < nseg; ++s) {
         for (int64_t h = 0; h < H; ++h) {
-            float *St = S + (s * H + h) * DK * DV;
-            memcpy(St, src[s] + h * DK * DV, (size_t)(DK * DV) * sizeof(float));
-            for (int64_t t = row0[s]; t < row0[s] + len[s]; ++t) {
-                const int64_t r = t * H + h;
-                const float *kt = k + r * DK, *qt = q + r * DK, *vt = v + r * DV;
-                const float d = decay[r], b = beta[r];
+            float *restrict St = S + (s * H + h) * DK * DV;
+            const float *restrict S0 = src[s] + h * DK * DV;
+            const int64_t t0 = row0[s], t1 = row0[s] + len[s];
+            if (t1 <= t0) {
+                memcpy(St, S0, (size_t)(DK * DV) * sizeof(float));
+                continue;
+            }
+            {   /* decay of the first token, from the start state */
+                const int64_t r = t0 * H + h;
+                const float *restrict kt = k + r * DK;
+                const float d = decay[r];
                 for (int64_t j = 0; j < DV; ++j) kv[j] = 0.0f;
                 for (int64_t i = 0; i < DK; ++i) {
-                    float *Si = St + i * DV;
+                    const float *restrict Ai = S0 + i * DV;
+                    float *restrict Si = St + i * DV;
                     const float ki = kt[i];
                     for (int64_t j = 0; j < DV; ++j) {
-                        const float sij = Si[j] * d;
+                        const float sij = Ai[j] * d;
                         Si[j] = sij;
                         kv[j] = kv[j] + ki * sij;
                     }
                 }
+            }
+            for (int64_t t = t0; t < t1; ++t) {
+                const int64_t r = t * H + h;
+                const float *restrict kt = k + r * DK, *restrict qt = q + r * DK, *restrict vt = v + r * DV;
+                const float b = beta[r];
                 for (int64_t j = 0; j < DV; ++j) {
                     u[j] = (vt[j] - kv[j]) * b;
                     acc[j] = 0.0f;
                 }
-                for (int64_t i = 0; i < DK; ++i) {
-                    float *Si = St + i * DV;
-                    const float ki = kt[i], qi = qt[i];
-                    for (int64_t j = 0; j < DV; ++j) {
-                        const float sij = Si[j] + ki * u[j];
-                        Si[j] = sij;
-                        acc[j] = acc[j] + qi * sij;
+                if (t + 1 < t1) {  /* update of token t, then decay of token t+1, in one pass */
+                    const int64_t rn = r + H;
+                    const float *restrict kn = k + rn * DK;
+                    const float dn = decay[rn];
+                    for (int64_t j = 0; j < DV; ++j) kv[j] = 0.0f;
+                    for (int64_t i = 0; i < DK; ++i) {
+                        float *restrict Si = St + i * DV;
+                        const float ki = kt[i], qi = qt[i], kni = kn[i];
+                        for (int64_t j = 0; j < DV; ++j) {
+                            const float sij = Si[j] + ki * u[j];
+                            acc[j] = acc[j] + qi * sij;
+                            const float snj = sij * dn;
+                            Si[j] = snj;
+                            kv[j] = kv[j] + kni * snj;
+                        }
+                    }
+                } else {
+                    for (int64_t i = 0; i < DK; ++i) {
+                        float *restrict Si = St + i * DV;
+                        const float ki = kt[i], qi = qt[i];
+                        for (int64_t j = 0; j < DV; ++j) {
+                            const float sij = Si[j] + ki * u[j];
+                            Si[j] = sij;
+                            acc[j] = acc[j] + qi * sij;
+                        }
                     }
                 }
-                float *ot = o + r * DV;
+                float *restrict ot = o + r * DV;
                 for (int64_t j = 0; j < DV; ++j) ot[j] = acc[j];
             }
         }
