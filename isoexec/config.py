@@ -49,6 +49,16 @@ class ModelSection(_Section):
     init_std: PositiveFloat = 0.02
 
 
+class GemmRowBucket(_Section):
+    """Column GEMMs of at most ``max_rows`` rows run this program with these tiles (see
+    ``TritonSection.gemm_bfloat16_by_rows``)."""
+
+    max_rows: PositiveInt
+    program: Literal["tiled", "persistent_tma"]
+    tiles: tuple[PositiveInt, PositiveInt, PositiveInt, PositiveInt, PositiveInt] = Field(
+        description="BM, BN, BK, num_warps, num_stages; BK must be gemm_bfloat16's")
+
+
 class TritonSection(_Section):
     """Launch constants of the Triton (sm90) kernel set. Every value is bit-relevant or pins the launch,
     enters the contract's composition, and comes only from here (``isoexec bench --what tune`` writes a
@@ -62,6 +72,12 @@ class TritonSection(_Section):
     gemm_kernel: Literal["tiled", "persistent_tma"] = Field(
         "tiled", description="column GEMM program: one program per output tile with pointer loads, or a persistent "
         "grid over tiles with TMA loads (same tiles, same ascending K order)")
+    gemm_bfloat16_by_rows: tuple[GemmRowBucket, ...] = Field(
+        (), description="bf16/fp16 column GEMMs of few rows (decode): the first bucket, by ascending max_rows, that "
+        "holds the GEMM's rows picks its program and tiles; more rows run gemm_kernel with gemm_bfloat16. The "
+        "program, BM, BN, num_warps and num_stages move no bit (each output's K steps are accumulated in the same "
+        "ascending order, BK wide; results/h200/gemm_buckets/ checks every candidate against the pinned tiles), "
+        "so BK must equal gemm_bfloat16's")
     pik_gemm_bfloat16: tuple[PositiveInt, PositiveInt, PositiveInt, PositiveInt, PositiveInt] = Field(
         (128, 64, 64, 8, 3), description="bf16 leaf GEMM (row-parallel regions, pik) tiles: BM, BN, BK, num_warps, num_stages")
     pik_gemm_float32: tuple[PositiveInt, PositiveInt, PositiveInt, PositiveInt, PositiveInt] = Field(
@@ -94,8 +110,18 @@ class TritonSection(_Section):
         for name in ("gemm_bfloat16", "gemm_float32", "pik_gemm_bfloat16", "pik_gemm_float32"):
             bm, bn, bk, _, _ = getattr(self, name)
             bad += [f"kernels.triton.{name} tile {t}" for t in (bm, bn, bk) if t < 16 or t & (t - 1)]
+        for i, b in enumerate(self.gemm_bfloat16_by_rows):
+            bad += [f"kernels.triton.gemm_bfloat16_by_rows[{i}] tile {t}" for t in b.tiles[:3] if t < 16 or t & (t - 1)]
         if bad:
             raise ValueError(f"must be powers of two (GEMM tiles >= 16): {', '.join(bad)}")
+        rows = [b.max_rows for b in self.gemm_bfloat16_by_rows]
+        if rows != sorted(set(rows)):
+            raise ValueError(f"kernels.triton.gemm_bfloat16_by_rows: max_rows {rows} must be strictly ascending")
+        bk = self.gemm_bfloat16[2]
+        other = [f"[{i}] BK={b.tiles[2]}" for i, b in enumerate(self.gemm_bfloat16_by_rows) if b.tiles[2] != bk]
+        if other:
+            raise ValueError(f"kernels.triton.gemm_bfloat16_by_rows{', '.join(other)}: BK must be gemm_bfloat16's BK={bk} "
+                             "(the K step is the accumulation order: another BK gives other bits)")
         return self
 
 

@@ -505,20 +505,31 @@ def _variants_gemm(col_shapes, data, timed, tc0, rec):
     cub = {sh: timed(F.linear, cdata[sh]) for sh in col_shapes}
     xi = torch.randn(513, 1024, device=dev, dtype=bf)
     wi = torch.randn(3072, 1024, device=dev, dtype=bf) * 0.03
-    for prog, tiles in (("tiled", (128, 128, 64, 8, 3)), ("tiled", (128, 256, 64, 8, 3)), ("tiled", (128, 128, 64, 8, 4)),
-                        ("tiled", (128, 256, 64, 8, 4)), ("tiled", (64, 128, 64, 4, 4)), ("tiled", (128, 64, 64, 4, 4)),
-                        ("persistent_tma", (128, 128, 64, 8, 3)), ("persistent_tma", (128, 256, 64, 8, 3)),
-                        ("persistent_tma", (128, 128, 64, 8, 4)), ("persistent_tma", (128, 256, 64, 8, 4))):
-        cand = tc0.model_copy(update={"gemm_kernel": prog, "gemm_bfloat16": tiles})
-        conf = f"{prog} {','.join(map(str, tiles))}"
+    # equal_to_pinned: the candidate's outputs against the pinned program and tiles without row buckets, on
+    # 1..513 rows and on every shape's data (the row buckets of gemm_bfloat16_by_rows rest on it); the BK = 32
+    # candidates are the negative control (another K step, other bits)
+    pinned = tc0.model_copy(update={"gemm_bfloat16_by_rows": ()})
+    ref_i = t_gemm.linear(xi, wi, pinned)
+    ref_sh = {sh: t_gemm.linear(*cdata[sh][0], pinned) for sh in col_shapes}
+    cands = [("tiled", (128, 128, 64, 8, 3)), ("tiled", (128, 256, 64, 8, 3)), ("tiled", (128, 128, 64, 8, 4)),
+             ("tiled", (128, 256, 64, 8, 4)), ("tiled", (64, 128, 64, 4, 4)), ("tiled", (128, 64, 64, 4, 4)),
+             ("tiled", (64, 64, 64, 4, 4)), ("tiled", (64, 256, 64, 4, 3)), ("persistent_tma", (64, 128, 64, 4, 4)),
+             ("persistent_tma", (128, 128, 64, 8, 3)), ("persistent_tma", (128, 256, 64, 8, 3)),
+             ("persistent_tma", (128, 128, 64, 8, 4)), ("persistent_tma", (128, 256, 64, 8, 4)),
+             ("tiled", (128, 128, 32, 8, 3)), ("persistent_tma", (128, 128, 32, 8, 4))]
+    for prog, tiles in [*cands, ("pinned by rows", None)]:
+        cand = tc0 if tiles is None else pinned.model_copy(update={"gemm_kernel": prog, "gemm_bfloat16": tiles})
+        conf = prog if tiles is None else f"{prog} {','.join(map(str, tiles))}"
         try:
             ref = t_gemm.linear(xi[7:8], wi, cand)[0]
             ok = all(torch.equal(t_gemm.linear(xi[r], wi, cand)[7 - (r.start or 0)], ref)
                      for r in (slice(0, 8), slice(7, 300), slice(0, 513)))
+            same = all(torch.equal(t_gemm.linear(xi[:m], wi, cand), ref_i[:m]) for m in (1, 3, 64, 65, 256, 513))
             for sh in col_shapes:
                 t = timed(lambda a, b: t_gemm.linear(a, b, cand), cdata[sh])
                 rec(what="gemm", config=conf, shape=f"{sh[0]} {sh[1]}x{sh[2]}@{sh[2]}x{sh[3]}", ms=t, ref_ms=cub[sh],
-                    frac_of_ref_throughput=cub[sh] / t, bitwise_ok=ok)
+                    frac_of_ref_throughput=cub[sh] / t, bitwise_ok=ok,
+                    equal_to_pinned=same and torch.equal(t_gemm.linear(*cdata[sh][0], cand), ref_sh[sh]))
         except Exception as e:  # a variant that does not compile or run is reported, not fatal
             rec(what="gemm", config=conf, error=f"{type(e).__name__}: {str(e)[:200]}")
 

@@ -2,10 +2,14 @@
 ``mlp.shared_expert``, ``lm_head``).
 
 Column GEMMs (:func:`linear`, :func:`grouped_linear`): ``y[i] = x[i] @ w.T``; every output tile is
-computed by one program with fixed tiles ``(BM, BN, BK)`` (contract constants, never chosen from M),
-the K loop runs from 0 upwards with fp32 accumulation, and there is no split-K. Each output element's
+computed by one program with tiles ``(BM, BN, BK)`` (contract constants), the K loop runs from 0
+upwards in steps of BK with fp32 accumulation, and there is no split-K. Each output element's
 reduction order is therefore that of one fixed instruction sequence, whatever the number of rows, the
-row's position in its tile or the other rows (masked rows load zeros and are never stored). The
+row's position in its tile or the other rows (masked rows load zeros and are never stored). BK and the
+ascending K steps fix an element's bits; the program shape, BM, BN, warps and stages only decide which
+program computes it (measured on the H200: every candidate bitwise equal to the pinned tiles,
+``results/h200/gemm_buckets/``), so a GEMM of few rows may run other tiles of the same BK
+(``kernels.triton.gemm_bfloat16_by_rows``: decode rows keep more programs busy). The
 grouped variant (``moe.experts``) runs the same tile program over per-expert row ranges. Two program
 shapes run that same tile computation: one program per tile with pointer loads (``tiled``), or a
 persistent grid over tiles with TMA loads (``persistent_tma``); ``kernels.triton.gemm_kernel`` pins one.
@@ -233,11 +237,27 @@ def tiles_for(cfg, dtype: torch.dtype, leaf: bool = False) -> tuple[int, int, in
 
 
 def constants(cfg, dtype: torch.dtype) -> dict:
-    """The column GEMM's contract constants for inputs of ``dtype`` (recorded in the composition)."""
+    """The column GEMM's contract constants for inputs of ``dtype`` (recorded in the composition; the
+    row buckets only when some are pinned, so that a contract without them keeps its digest)."""
     bm, bn, bk, nw, ns = tiles_for(cfg, dtype)
-    return {"tile_m": bm, "tile_n": bn, "tile_k": bk, "num_warps": nw, "num_stages": ns, "group_m": cfg.gemm_group_m,
-            "dot_precision": DOT_PRECISION, "split_k": 1, "k_order": "ascending", "autotune": False,
-            "program": cfg.gemm_kernel if dtype != torch.float32 else "tiled"}
+    c = {"tile_m": bm, "tile_n": bn, "tile_k": bk, "num_warps": nw, "num_stages": ns, "group_m": cfg.gemm_group_m,
+         "dot_precision": DOT_PRECISION, "split_k": 1, "k_order": "ascending", "autotune": False,
+         "program": cfg.gemm_kernel if dtype != torch.float32 else "tiled"}
+    if dtype != torch.float32 and cfg.gemm_bfloat16_by_rows:
+        c["row_buckets"] = [[b.max_rows, b.program, *b.tiles] for b in cfg.gemm_bfloat16_by_rows]
+    return c
+
+
+def program_for(cfg, dtype: torch.dtype, rows: int) -> tuple[str, tuple[int, int, int, int, int]]:
+    """(program, tiles) of a column GEMM of ``rows`` rows: fp32 always the tiled program with
+    ``gemm_float32``; bf16/fp16 the first ``gemm_bfloat16_by_rows`` bucket with ``rows <= max_rows``,
+    else ``gemm_kernel`` with ``gemm_bfloat16``."""
+    if dtype == torch.float32:
+        return "tiled", tiles_for(cfg, dtype)
+    for b in cfg.gemm_bfloat16_by_rows:
+        if rows <= b.max_rows:
+            return b.program, tuple(b.tiles)
+    return cfg.gemm_kernel, tiles_for(cfg, dtype)
 
 
 def leaf_constants(cfg, dtype: torch.dtype, leaves: int) -> dict:
@@ -269,8 +289,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, cfg, out_dtype: torch.dtype | None 
 
     Args:
         x: ``[M, K]`` (bf16 / fp16 / fp32, CUDA). w: ``[N, K]`` (``nn.Linear`` layout; cast to x's dtype).
-        cfg: ``isoexec.config.TritonSection`` (the tiles, :func:`tiles_for`, and the program shape
-            ``gemm_kernel``; fp32 inputs always run the tiled program).
+        cfg: ``isoexec.config.TritonSection`` (program and tiles by the number of rows,
+            :func:`program_for`; fp32 inputs always run the tiled program).
         out_dtype: output dtype (default ``x.dtype``; fp32 keeps the accumulator, e.g. for logits).
 
     Returns:
@@ -283,8 +303,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, cfg, out_dtype: torch.dtype | None 
     y = torch.empty((M, N), device=x.device, dtype=out_dtype or x.dtype)
     if M == 0:
         return y
-    BM, BN, BK, nw, ns = tiles_for(cfg, x.dtype)
-    if cfg.gemm_kernel == "persistent_tma" and x.dtype != torch.float32:
+    program, (BM, BN, BK, nw, ns) = program_for(cfg, x.dtype, M)
+    if program == "persistent_tma":
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         if (K * x.element_size()) % 16 or x.data_ptr() % 16 or w.data_ptr() % 16:
