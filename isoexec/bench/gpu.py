@@ -506,8 +506,7 @@ def _variants_gemm(col_shapes, data, timed, tc0, rec):
     xi = torch.randn(513, 1024, device=dev, dtype=bf)
     wi = torch.randn(3072, 1024, device=dev, dtype=bf) * 0.03
     # equal_to_pinned: the candidate's outputs against the pinned program and tiles without row buckets, on
-    # 1..513 rows and on every shape's data (the row buckets of gemm_bfloat16_by_rows rest on it); the BK = 32
-    # candidates are the negative control (another K step, other bits)
+    # 1..513 rows and on every shape's data (the row buckets of gemm_bfloat16_by_rows rest on it; BK = 32 too)
     pinned = tc0.model_copy(update={"gemm_bfloat16_by_rows": ()})
     ref_i = t_gemm.linear(xi, wi, pinned)
     ref_sh = {sh: t_gemm.linear(*cdata[sh][0], pinned) for sh in col_shapes}

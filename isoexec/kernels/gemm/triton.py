@@ -5,11 +5,11 @@ Column GEMMs (:func:`linear`, :func:`grouped_linear`): ``y[i] = x[i] @ w.T``; ev
 computed by one program with tiles ``(BM, BN, BK)`` (contract constants), the K loop runs from 0
 upwards in steps of BK with fp32 accumulation, and there is no split-K. Each output element's
 reduction order is therefore that of one fixed instruction sequence, whatever the number of rows, the
-row's position in its tile or the other rows (masked rows load zeros and are never stored). BK and the
-ascending K steps fix an element's bits; the program shape, BM, BN, warps and stages only decide which
-program computes it (measured on the H200: every candidate bitwise equal to the pinned tiles,
-``results/h200/gemm_buckets/``), so a GEMM of few rows may run other tiles of the same BK
-(``kernels.triton.gemm_bfloat16_by_rows``: decode rows keep more programs busy). The
+row's position in its tile or the other rows (masked rows load zeros and are never stored). On the
+H200 the tiles do not even choose the bits: an element accumulates the same 16-wide tensor-core K steps
+in ascending order whatever the program shape, BM, BN, BK (16-multiples), warps or stages (every
+candidate of ``results/h200/gemm_buckets/variants_gemm.csv`` is bitwise equal to the pinned tiles), so
+a GEMM of few rows runs tiles that keep more programs busy (``kernels.triton.gemm_bfloat16_by_rows``). The
 grouped variant (``moe.experts``) runs the same tile program over per-expert row ranges. Two program
 shapes run that same tile computation: one program per tile with pointer loads (``tiled``), or a
 persistent grid over tiles with TMA loads (``persistent_tma``); ``kernels.triton.gemm_kernel`` pins one.
