@@ -244,7 +244,8 @@ def constants(cfg, dtype: torch.dtype) -> dict:
          "dot_precision": DOT_PRECISION, "split_k": 1, "k_order": "ascending", "autotune": False,
          "program": cfg.gemm_kernel if dtype != torch.float32 else "tiled"}
     if dtype != torch.float32 and cfg.gemm_bfloat16_by_rows:
-        c["row_buckets"] = [[b.max_rows, b.program, *b.tiles] for b in cfg.gemm_bfloat16_by_rows]
+        c["row_buckets"] = ";".join(f"rows<={b.max_rows}:{b.program}:{'x'.join(map(str, b.tiles[:3]))}"
+                                    f":{b.tiles[3]}w:{b.tiles[4]}s" for b in cfg.gemm_bfloat16_by_rows)
     return c
 
 
