@@ -128,9 +128,10 @@ class KernelSection(_Section):
     """
 
     chunk_size: PositiveInt = Field(64, description="CPR Gated DeltaNet chunk size C")
-    row_tile: PositiveInt = Field(16, description="CPU: rows per GEMM tile; every GEMM call has this many rows")
-    col_tile: int = Field(16, ge=2, description="CPU: output features per GEMM tile of the column-parallel regions "
-                          "(a tensor-parallel shard then reproduces the full product's columns)")
+    row_tile: PositiveInt = Field(16, description="CPU: rows per cache tile of the C GEMM (gemm/fma_gemm.c: one "
+                                  "ascending FMA chain over K per output, so the tiles move no bit)")
+    col_tile: PositiveInt = Field(16, description="CPU: output features per cache tile of the C GEMM (moves no bit); "
+                                  "the unit of a column-parallel shard (pik_column_linear)")
     attn_row_tile: PositiveInt = Field(16, description="CPU: query rows per attention tile (one sequence and KV head); "
                                        "a decode step fills one tile per sequence, so this stays small")
     leaves: PositiveInt = Field(8, description="pik leaves over K of the row-parallel GEMMs (out_proj, down_proj); TP must divide it")

@@ -1,5 +1,6 @@
 """Batch-invariance of the CPU primitives, each with a native negative control."""
 
+import pytest
 import torch
 
 from isoexec.kernels.primitives import sigmoid, silu, softplus, tile_mm, tile_mms, tree_sum
@@ -52,39 +53,52 @@ def test_elementwise_functions_are_position_invariant_where_torch_is_not():
         assert torch.allclose(ours(x), theirs(x), rtol=1e-6, atol=1e-6)
 
 
-def test_fixed_tile_gemm_column_bits_independent_of_position_and_neighbours():
-    """The premise of ``col_tile``: in one fixed-shape ``[row_tile, K] @ [K, col_tile]`` GEMM, a column's
-    bits depend neither on its position in the tile nor on the other columns. So a tensor-parallel
-    rank's output features, gathered into such tiles in its own (permuted) layout, reproduce the full
-    product's columns (``iso_linear`` on a shard == the shard of ``iso_linear``)."""
+def test_tile_mm_column_bits_independent_of_position_neighbours_and_tiles():
+    """Why a tensor-parallel rank's output features reproduce the full product's columns: in
+    ``tile_mm`` a column's bits depend neither on its position, nor on the other columns, nor on the
+    cache tiles (``row_tile``, ``col_tile``), one column alone included; ``iso_linear`` on a permuted,
+    unaligned shard == that shard of ``iso_linear``. The values are the product's (fp64 reference)."""
     from isoexec.kernels.gemm.cpu import iso_linear
 
     g = torch.Generator().manual_seed(0)
-    for rt, k, ct in [(16, 64, 16), (16, 128, 16), (16, 512, 8), (16, 1024, 2), (64, 128, 64), (64, 64, 64)]:
-        x = torch.randn(rt, k, generator=g)
-        w = torch.randn(k, ct, generator=g)
-        ref = torch.mm(x, w)
-        for _ in range(4):
-            perm = torch.randperm(ct, generator=g)
-            assert torch.equal(torch.mm(x, w[:, perm].contiguous()), ref[:, perm]), (k, ct)
-            other = torch.randn(k, ct, generator=g)
-            other[:, 0] = w[:, 0]
-            assert torch.equal(torch.mm(x, other)[:, 0], ref[:, 0]), (k, ct)
+    for k, m in [(64, 16), (128, 130), (512, 8), (1024, 2), (128, 64), (7, 65)]:
+        x = torch.randn(37, k, generator=g)
+        w = torch.randn(k, m, generator=g)
+        ref = tile_mm(x, w, 64)
+        assert torch.allclose(ref.double(), x.double() @ w.double(), rtol=0, atol=1e-4 * k ** 0.5), (k, m)
+        for rt, ct in [(1, 1), (4, 3), (16, 16), (64, 64), (5, None)]:
+            assert torch.equal(tile_mm(x, w, rt, ct), ref), (k, m, rt, ct)
+        perm = torch.randperm(m, generator=g)
+        assert torch.equal(tile_mm(x, w[:, perm], 64), ref[:, perm]), (k, m)
+        assert torch.equal(tile_mm(x, w[:, :1], 64), ref[:, :1]), (k, m)
+        other = torch.randn(k, m, generator=g)
+        other[:, 0] = w[:, 0]
+        assert torch.equal(tile_mm(x, other, 64)[:, 0], ref[:, 0]), (k, m)
     x, w = torch.randn(37, 128, generator=g), torch.randn(200, 128, generator=g)
     full = iso_linear(x, w, 16, 16, torch.float32)
     shard = torch.cat([torch.arange(150, 200), torch.arange(3, 40)])  # a permuted, unaligned subset
     assert torch.equal(iso_linear(x, w[shard], 16, 16, torch.float32), full[:, shard])
 
 
-def test_one_column_gemm_differs_from_its_column_in_a_wider_gemm_negative_control():
-    """Why ``col_tile >= 2``: a one-column GEMM takes another kernel path on this CPU."""
+def test_one_column_mkl_gemm_differs_from_its_column_in_a_wider_gemm_negative_control():
+    """Negative control of the test above: MKL's ``torch.mm`` takes another kernel path for one
+    output column on this CPU, so its columns are not shard-invariant."""
     g = torch.Generator().manual_seed(1)
     x, w = torch.randn(16, 256, generator=g), torch.randn(256, 16, generator=g)
     assert not torch.equal(torch.mm(x, w[:, :1].contiguous()), torch.mm(x, w)[:, :1])
 
 
+def test_tile_mm_refuses_other_dtypes_and_shapes():
+    with pytest.raises(ValueError, match="float32 x and w, got torch.bfloat16"):
+        tile_mm(torch.zeros(2, 3, dtype=torch.bfloat16), torch.zeros(3, 4), 16)
+    with pytest.raises(ValueError, match=r"x \[N, K\] and w \[K, M\], got \(2, 3\) and \(4, 4\)"):
+        tile_mm(torch.zeros(2, 3), torch.zeros(4, 4), 16)
+    with pytest.raises(ValueError, match="tiles must be >= 1, got row_tile=0"):
+        tile_mm(torch.zeros(2, 3), torch.zeros(3, 4), 0)
+
+
 def test_tile_mm_gradient_is_the_matmul_gradient():
-    """The forward is per-tile (bitwise); the backward is two plain matmuls: same gradient as ``x @ w``."""
+    """The forward is the C kernel (bitwise); the backward is two plain matmuls: same gradient as ``x @ w``."""
     g = torch.Generator().manual_seed(3)
     x, w = torch.randn(37, 24, generator=g, requires_grad=True), torch.randn(24, 40, generator=g, requires_grad=True)
     gy = torch.randn(37, 40, generator=g)
@@ -97,7 +111,7 @@ def test_tile_mm_gradient_is_the_matmul_gradient():
 
 
 def test_tile_mms_gives_each_pair_the_bits_of_its_own_tile_mm():
-    """Several GEMMs in one call (a linear's column tiles sharing x, a pik GEMM's leaves): each output is
+    """Several GEMMs in one call (pairs sharing x, a pik GEMM's leaves): each output is
     bitwise ``tile_mm`` of its pair alone, with and without autograd; the gradient is the matmul's."""
     g = torch.Generator().manual_seed(4)
     x = torch.randn(37, 24, generator=g, requires_grad=True)

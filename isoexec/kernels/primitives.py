@@ -4,10 +4,10 @@ elementwise transcendental functions whose bits do not depend on a value's posit
 Why these exist (measured on the project's CPUs, see ``tests/test_kernels_primitives.py``):
 
 * ``torch.matmul`` in fp32 picks a different MKL kernel for 1, 2-3 and >= 4 rows, so the bits of a
-  row depend on how many rows are in the call. A call of one fixed shape ``[T, K] @ [K, M]`` gives
-  every row the same bits wherever it sits in the tile; a ``bmm`` over a stack of such tiles does
-  not (for some shapes the stack's length changes the kernel). :func:`tile_mm` therefore pads the
-  rows to a multiple of the contract's ``row_tile`` and runs one ``torch.mm`` per tile.
+  row depend on how many rows are in the call (``tests/test_kernels_primitives.py`` keeps that as the
+  negative control). :func:`tile_mm` runs the project's C GEMM instead
+  (:mod:`isoexec.kernels.gemm.fma`): one ascending fused-multiply-add chain over K per output element,
+  so a row's bits depend neither on the other rows nor on the other columns, nor on the cache tiles.
 * ``torch.sum`` may split a long reduction across threads depending on the tensor's size;
   :func:`tree_sum` adds halves in a fixed binary tree with elementwise adds (IEEE-exact per element).
 * ATen's vectorised loops run the scalar libm function on a loop's tail. For ``exp``, ``log``,
@@ -20,89 +20,92 @@ from __future__ import annotations
 
 import torch
 
+from isoexec.kernels.gemm.fma import fma_gemm
+
 
 class _TileMMs(torch.autograd.Function):
-    """Forward: every pair's GEMM, one ``torch.mm`` per row tile (the bits). Backward: two plain
-    matmuls per pair (the gradient need not be bitwise; one autograd node for all pairs instead of
-    one per tile)."""
+    """Forward: every pair's GEMM by the C kernel (the bits). Backward: two plain matmuls per pair in
+    ``grad_dtype`` (the gradient need not be bitwise; bf16 for bf16 activations, as a native bf16
+    trainer computes it; one autograd node for all pairs instead of one per pair)."""
 
     @staticmethod
-    def forward(ctx, row_tile, *xw):  # noqa: D102
+    def forward(ctx, row_tile, col_tile, grad_dtype, *xw):  # noqa: D102
         ctx.save_for_backward(*xw)
-        return tuple(_tile_mm_pairs([(xw[i], xw[i + 1]) for i in range(0, len(xw), 2)], row_tile))
+        ctx.grad_dtype = grad_dtype
+        return tuple(_tile_mm_pairs([(xw[i], xw[i + 1]) for i in range(0, len(xw), 2)], row_tile, col_tile))
 
     @staticmethod
     def backward(ctx, *gs):  # noqa: D102
-        xw = ctx.saved_tensors
-        grads: list[torch.Tensor | None] = [None]
+        xw, dt = ctx.saved_tensors, ctx.grad_dtype
+        grads: list[torch.Tensor | None] = [None, None, None]
         for j, g in enumerate(gs):
-            x, w = xw[2 * j], xw[2 * j + 1]
-            grads.append(g @ w.t() if ctx.needs_input_grad[1 + 2 * j] else None)
-            grads.append(x.t() @ g if ctx.needs_input_grad[2 + 2 * j] else None)
+            x, w = xw[2 * j].to(dt), xw[2 * j + 1].to(dt)
+            g = g.to(dt)
+            grads.append((g @ w.t()).float() if ctx.needs_input_grad[3 + 2 * j] else None)
+            grads.append((x.t() @ g).float() if ctx.needs_input_grad[4 + 2 * j] else None)
         return tuple(grads)
 
 
-def _row_tiles(x: torch.Tensor, row_tile: int) -> list[torch.Tensor]:
-    """``x`` zero-padded to a multiple of ``row_tile`` rows, as its row tiles (views)."""
-    pad = (-x.shape[0]) % row_tile
-    if pad:
-        x = torch.nn.functional.pad(x, (0, 0, 0, pad))
-    return list(x.split(row_tile))
+def _tile_mm_pairs(pairs, row_tile: int, col_tile: int | None) -> list[torch.Tensor]:
+    """:func:`~isoexec.kernels.gemm.fma.fma_gemm` of every (x, w) pair."""
+    return [fma_gemm(x, w, row_tile, col_tile) for x, w in pairs]
 
 
-def _tile_mm_pairs(pairs, row_tile: int) -> list[torch.Tensor]:
-    """One ``torch.mm`` per (pair, row tile); an ``x`` shared by several pairs is padded and split once."""
-    tiles: dict[int, list[torch.Tensor]] = {}
-    out = []
-    for x, w in pairs:
-        n, m = x.shape[0], w.shape[1]
-        if n == 0:
-            out.append(x.new_zeros((0, m)))
-            continue
-        ts = tiles.get(id(x))
-        if ts is None:
-            ts = tiles[id(x)] = _row_tiles(x, row_tile)
-        w = w.contiguous()
-        out.append(torch.mm(ts[0], w)[:n] if len(ts) == 1 else torch.cat([torch.mm(t, w) for t in ts])[:n])
-    return out
+def grad_dtype_of(x: torch.Tensor) -> torch.dtype:
+    """The backward matmuls' dtype for a GEMM whose activations come in as ``x``: bf16 for bf16
+    activations (as a native bf16 trainer), else fp32."""
+    return torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
 
 
-def tile_mms(pairs: list[tuple[torch.Tensor, torch.Tensor]], row_tile: int) -> list[torch.Tensor]:
-    """:func:`tile_mm` of every ``(x, w)`` pair, as one autograd node (the column tiles of one
-    linear, the leaves of a pik GEMM).
+def tile_mms(pairs: list[tuple[torch.Tensor, torch.Tensor]], row_tile: int, col_tile: int | None = None,
+             grad_dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
+    """:func:`tile_mm` of every ``(x, w)`` pair, as one autograd node (a linear's fused gate/up, the
+    leaves of a pik GEMM).
 
     Args:
-        pairs: ``(x [N_j, K_j], w [K_j, M_j])`` in the dtype of the computation (fp32 here).
-        row_tile: T, rows per GEMM tile (a contract constant).
+        pairs: ``(x [N_j, K_j], w [K_j, M_j])`` float32.
+        row_tile, col_tile: the C kernel's cache tiles (contract constants; they move no bit).
+        grad_dtype: dtype of the backward matmuls: ``torch.bfloat16`` where x and w hold bf16 values
+            (the model's boundary dtype), else ``torch.float32``.
 
     Returns:
-        per pair ``[N_j, M_j]``, bitwise :func:`tile_mm` of that pair. Differentiable (plain-matmul
-        gradients).
+        per pair ``[N_j, M_j]`` float32, bitwise :func:`tile_mm` of that pair. Differentiable
+        (plain-matmul gradients in ``grad_dtype``, returned as float32).
+
+    Raises:
+        ValueError: ``grad_dtype`` other than bfloat16 or float32.
     """
+    if grad_dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"grad_dtype must be torch.bfloat16 or torch.float32, got {grad_dtype}")
     flat = [t for xw in pairs for t in xw]
     if torch.is_grad_enabled() and any(t.requires_grad for t in flat):
-        return list(_TileMMs.apply(row_tile, *flat))
-    return _tile_mm_pairs(pairs, row_tile)
+        return list(_TileMMs.apply(row_tile, col_tile, grad_dtype, *flat))
+    return _tile_mm_pairs(pairs, row_tile, col_tile)
 
 
-def tile_mm(x: torch.Tensor, w: torch.Tensor, row_tile: int) -> torch.Tensor:
-    """Batch-invariant ``x @ w`` in the dtype of the inputs (fp32 in the isoexec kernel set).
+def tile_mm(x: torch.Tensor, w: torch.Tensor, row_tile: int, col_tile: int | None = None,
+            grad_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Batch- and column-invariant ``x @ w`` in fp32 (the isoexec CPU GEMM).
 
-    Every GEMM call has the one shape ``[T, K] @ [K, M]`` (T = ``row_tile``, rows zero-padded), one
-    call per tile. (A single ``bmm`` over a stack of tiles is not enough: for some shapes, e.g.
-    M = 1, ATen/MKL treat the stack differently depending on its length.)
+    Each output element is one ascending fused-multiply-add chain over K
+    (:func:`~isoexec.kernels.gemm.fma.fma_gemm`), in cache tiles of ``row_tile`` rows x ``col_tile``
+    columns that do not change it.
 
     Args:
-        x: ``[N, K]``; any N >= 0.
-        w: ``[K, M]``, the same tensor for every row.
-        row_tile: T, rows per GEMM tile (a contract constant).
+        x: ``[N, K]`` float32; any N >= 0.
+        w: ``[K, M]`` float32, the same tensor for every row.
+        row_tile, col_tile: cache tiles (contract constants); ``col_tile`` None: all M columns.
+        grad_dtype: dtype of the backward matmuls (:func:`tile_mms`).
 
     Returns:
-        ``[N, M]``; row i depends only on ``x[i]`` and ``w`` (never on N, on the other rows or on
-        the row's position in its tile). Differentiable: the gradient is that of ``x @ w`` computed
-        by two plain matmuls (not bitwise; the forward is).
+        ``[N, M]``; element (i, j) depends only on ``x[i]`` and ``w[:, j]`` (never on N, on the other
+        rows or columns, on the row's position or on the tiles). Differentiable: the gradient is that
+        of ``x @ w`` computed by two plain matmuls in ``grad_dtype`` (not bitwise; the forward is).
+
+    Raises:
+        ValueError: inputs not float32, shapes that do not chain, a tile < 1.
     """
-    return tile_mms([(x, w)], row_tile)[0]
+    return tile_mms([(x, w)], row_tile, col_tile, grad_dtype)[0]
 
 
 def tree_sum(x: torch.Tensor, dim: int = -1, keepdim: bool = False) -> torch.Tensor:

@@ -132,6 +132,7 @@ def _isoexec_cpu(k) -> list[Impl]:
     from isoexec.kernels.conv.cpu import iso_causal_conv1d
     from isoexec.kernels.gdn import cpu as gdn
     from isoexec.kernels.gemm.cpu import iso_linear, iso_row_linear
+    from isoexec.kernels.gemm.fma import K_ORDER
     from isoexec.kernels.logprob.cpu import iso_logprob
     from isoexec.kernels.moe import cpu as moe
     from isoexec.kernels.native_build import CFLAGS
@@ -145,20 +146,21 @@ def _isoexec_cpu(k) -> list[Impl]:
         return gdn.cpr_gdn(q, k_, v, g, beta, lengths, states, k.chunk_size)
 
     V, A = "1", "cpu"
-    gemm = {"acc_dtype": "float32", "row_tile": k.row_tile, "col_tile": k.col_tile, "split_k": 1}
-    pik = {"acc_dtype": "float32", "row_tile": k.row_tile, "leaves": k.leaves, "leaf_tree": "adjacent_pairs"}
-    mlp = {**gemm, "leaves": k.leaves, "leaf_tree": "adjacent_pairs"}  # column-tiled gate/up, pik down
+    fma = {"acc_dtype": "float32", "k_order": K_ORDER, "cflags": " ".join(CFLAGS)}  # the C GEMM (gemm/fma_gemm.c)
+    gemm = {**fma, "row_tile": k.row_tile, "col_tile": k.col_tile, "split_k": 1}
+    pik = {**fma, "row_tile": k.row_tile, "leaves": k.leaves, "leaf_tree": "adjacent_pairs"}
+    mlp = {**gemm, "leaves": k.leaves, "leaf_tree": "adjacent_pairs"}  # fused gate/up GEMM, pik down
     bd = lambda dt: {"boundary_dtype": _dtype_name(dt)}  # noqa: E731
     tree = {"reduction": "binary_tree_pow2", "acc_dtype": "float32"}
     col = partial(iso_linear, row_tile=k.row_tile, col_tile=k.col_tile)
-    col_proof = "tests/test_kernels_primitives.py::test_fixed_tile_gemm_column_bits_independent_of_position_and_neighbours"
+    col_proof = "tests/test_kernels_primitives.py::test_tile_mm_column_bits_independent_of_position_neighbours_and_tiles"
     pik_proof = "tests/test_pik.py::test_pik_row_parallel_linear_is_bitwise_equal_across_tp_and_to_reference"
     return [
         Impl("embed", "isoexec.cpu.embedding_gather", V, A, {}, "gates:trainer_vs_engine", lambda table, ids: table[ids],
              lambda dt: {"dtype": _dtype_name(dt)}),
         Impl("norm.rms", "isoexec.cpu.rms_norm", V, A, {**tree, "scale": "one_plus_w"}, "gates:batch_composition",
              norm.iso_rms_norm),
-        *[Impl(r, "isoexec.cpu.col_tile_gemm", V, A, gemm, col_proof, col, bd) for r in COLUMN_PARALLEL_REGIONS],
+        *[Impl(r, "isoexec.cpu.fma_gemm", V, A, gemm, col_proof, col, bd) for r in COLUMN_PARALLEL_REGIONS],
         *[Impl(r, "isoexec.cpu.pik_leaf_gemm", V, A, pik, pik_proof, partial(iso_row_linear, row_tile=k.row_tile,
                                                                                leaves=k.leaves), bd)
           for r in ROW_PARALLEL_REGIONS],
@@ -181,14 +183,14 @@ def _isoexec_cpu(k) -> list[Impl]:
         Impl("gdn.norm", "isoexec.cpu.gated_rms_norm", V, A, tree, "gates:trainer_vs_engine", norm.iso_gated_rms_norm),
         Impl("moe.router", "isoexec.cpu.router_softmax_stable_topk", V, A, {**gemm, "ties": "lower_id"},
              "gates:batch_composition", partial(moe.iso_router, row_tile=k.row_tile, col_tile=k.col_tile), bd),
-        Impl("moe.experts", "isoexec.cpu.col_tile_swiglu_pik_down", V, A, mlp, "gates:batch_composition",
+        Impl("moe.experts", "isoexec.cpu.fma_swiglu_pik_down", V, A, mlp, "gates:batch_composition",
              partial(moe.iso_experts, row_tile=k.row_tile, col_tile=k.col_tile, leaves=k.leaves), bd),
         Impl("moe.combine", "isoexec.cpu.routing_order_sum", V, A, {"acc_dtype": "float32", "order": "routing_rank"},
              "gates:batch_composition", moe.iso_combine),
-        Impl("mlp.shared_expert", "isoexec.cpu.col_tile_swiglu_pik_down_sigmoid_gate", V, A, mlp,
+        Impl("mlp.shared_expert", "isoexec.cpu.fma_swiglu_pik_down_sigmoid_gate", V, A, mlp,
              "gates:batch_composition",
              partial(moe.iso_shared_expert, row_tile=k.row_tile, col_tile=k.col_tile, leaves=k.leaves), bd),
-        Impl("lm_head", "isoexec.cpu.col_tile_gemm", V, A, {**gemm, "out_dtype": "float32"}, "gates:trainer_vs_engine",
+        Impl("lm_head", "isoexec.cpu.fma_gemm", V, A, {**gemm, "out_dtype": "float32"}, "gates:trainer_vs_engine",
              partial(col, out_dtype=torch.float32), bd),
         Impl("logprob", "isoexec.cpu.blocked_log_softmax", V, A,
              {"vocab_block": k.vocab_block, "temperature": float(k.temperature), "logits_dtype": "float32"},

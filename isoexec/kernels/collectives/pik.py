@@ -17,9 +17,10 @@ The rule, per parallel dimension:
   per-rank subtree sums (all-gather), and every rank finishes the upper levels of the same tree.
   Elementwise fp32 adds are exact per element, so every TP in the domain (powers of two dividing G:
   1, 2, 4, 8 for G = 8) adds the same numbers in the same order.
-* **Column-parallel linear (TP, M sharded)**: ``tile_mm`` on a column slice of W is *not* bitwise the
-  slice of the full product on this CPU (MKL picks another kernel for narrow outputs; measured in
-  ``tests/test_pik.py``), so every GEMM runs on a fixed column tile of ``col_tile`` output features.
+* **Column-parallel linear (TP, M sharded)**: ``tile_mm`` computes every output column by its own
+  FMA chain over K, so a rank's slice of output features has the bits of the same columns of the full
+  product (``tests/test_pik.py``; MKL's ``torch.mm`` does not: it picks another kernel for narrow
+  outputs, the negative control there). The shards stay whole ``col_tile`` blocks (the API's check).
 * **Sequence parallelism (SP)**: reduce-scatter reuses the same tree: each rank receives every rank's
   partial for its row slice (all-to-all of partial results) and adds them in the fixed tree order, so
   reduce-scatter == all-reduce then slice, bit for bit.
@@ -43,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 from isoexec.kernels.moe.routing import routing_order_sum
-from isoexec.kernels.primitives import tile_mms
+from isoexec.kernels.primitives import grad_dtype_of, tile_mm, tile_mms
 
 __all__ = [
     "native_expert_parallel_combine",
@@ -165,7 +166,7 @@ def pik_row_parallel_partial(
     xf, wf = x_shard.float(), w_shard.float()
     leaves_xw = [(xf[:, j * width : (j + 1) * width].contiguous(), wf[:, j * width : (j + 1) * width].t())
                  for j in range(per_rank)]
-    return pik_tree_combine(tile_mms(leaves_xw, row_tile))
+    return pik_tree_combine(tile_mms(leaves_xw, row_tile, grad_dtype=grad_dtype_of(x_shard)))
 
 
 def pik_all_reduce(partial: torch.Tensor, group=None) -> torch.Tensor:
@@ -288,13 +289,14 @@ def native_row_parallel_linear(x_shard: torch.Tensor, w_shard: torch.Tensor, gro
 def pik_column_linear(
     x: torch.Tensor, w: torch.Tensor, col_tile: int = 16, row_tile: int = 16, out_dtype: torch.dtype | None = None
 ) -> torch.Tensor:
-    """``x @ w.T`` with one fixed-shape GEMM per ``col_tile`` output features (and ``row_tile`` rows),
-    fp32 accumulation. The bits of an output column depend only on its column tile, so any shard of
-    whole column tiles reproduces the same columns.
+    """``x @ w.T`` in fp32 accumulation by :func:`~isoexec.kernels.primitives.tile_mm`: the bits of an
+    output column depend only on its weight column, so any shard of whole ``col_tile`` blocks
+    reproduces the same columns.
 
     Args:
         x: ``[N, K]`` (bf16 or fp32). w: ``[M, K]`` (HF layout), ``M % col_tile == 0``.
-        col_tile: output features per GEMM (contract constant). row_tile: rows per GEMM tile.
+        col_tile: output features per shard unit and cache tile (contract constant). row_tile: rows per
+            cache tile.
         out_dtype: default ``x.dtype``.
 
     Returns:
@@ -306,9 +308,8 @@ def pik_column_linear(
     m = w.shape[0]
     if col_tile < 1 or m % col_tile != 0:
         raise ValueError(f"output features M={m} are not divisible by col_tile={col_tile}")
-    xf, wf = x.float(), w.float()
-    cols = tile_mms([(xf, wf[c : c + col_tile].t()) for c in range(0, m, col_tile)], row_tile)
-    return torch.cat(cols, dim=1).to(out_dtype or x.dtype)
+    wt = w.t().to(torch.float32, memory_format=torch.contiguous_format)
+    return tile_mm(x.float(), wt, row_tile, col_tile, grad_dtype_of(x)).to(out_dtype or x.dtype)
 
 
 def pik_column_parallel_linear(

@@ -1,13 +1,12 @@
 """Batch- and parallel-invariant GEMM on CPU. Every GEMM runs through
-:func:`~isoexec.kernels.primitives.tile_mm` in fp32 with a fixed row tile and is rounded once to the
-boundary dtype (logits stay fp32); two forms, so that a tensor-parallel trainer reproduces the bits:
+:func:`~isoexec.kernels.primitives.tile_mm`: the C kernel ``fma_gemm.c``, one ascending fp32
+fused-multiply-add chain over K per output element, rounded once to the boundary dtype (logits stay
+fp32). Two forms, so that a tensor-parallel trainer reproduces the bits:
 
 * :func:`iso_linear` (column-parallel regions ``attn.qkv_proj``, ``gdn.in_proj``, ``lm_head``, the
-  router and the MoE ``gate_proj``/``up_proj``): one fixed ``[row_tile, K] @ [K, col_tile]`` GEMM per
-  tile of ``col_tile`` output features. On the project's CPUs a column's bits in such a tile depend
-  neither on its position in the tile nor on the other columns
-  (``tests/test_kernels_primitives.py``), so a rank's shard of output features, in any order, has the
-  full product's bits.
+  router and the MoE ``gate_proj``/``up_proj``): one GEMM over all output features. A column's bits
+  depend only on its own weight column (``tests/test_kernels_primitives.py``), so a rank's shard of
+  output features, in any order, has the full product's bits.
 * :func:`iso_row_linear` (row-parallel regions ``attn.out_proj``, ``gdn.out_proj``, the MoE
   ``down_proj``): the pik leaf GEMMs (:mod:`isoexec.kernels.collectives.pik`): ``leaves`` fixed
   contiguous leaves over K summed by a fixed tree, which a TP rank's subtree reproduces.
@@ -18,39 +17,29 @@ from __future__ import annotations
 import torch
 
 from isoexec.kernels.collectives.pik import pik_row_parallel_partial
-from isoexec.kernels.primitives import tile_mms
+from isoexec.kernels.primitives import grad_dtype_of, tile_mm
 
 
 def iso_linear(x: torch.Tensor, w: torch.Tensor, row_tile: int, col_tile: int,
                out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """``x @ w.T`` with fp32 accumulation in fixed ``[row_tile, K] @ [K, col_tile]`` GEMM tiles.
+    """``x @ w.T`` with fp32 accumulation, one FMA chain over K per output (:func:`tile_mm`).
 
     Batch-invariant (a row's bits do not depend on the other rows) and column-invariant (a column's
     bits do not depend on which other output features are computed with it).
 
     Args:
         x: ``[N, K]`` activations (bf16 or fp32).
-        w: ``[M, K]`` weight in the Hugging Face ``nn.Linear`` layout (any M >= 0; the last column
-            tile is zero-padded).
-        row_tile: rows per GEMM tile (contract constant ``row_tile``).
-        col_tile: output features per GEMM tile (contract constant ``col_tile``, >= 2: a one-column
-            GEMM takes another MKL path).
+        w: ``[M, K]`` weight in the Hugging Face ``nn.Linear`` layout (any M >= 0).
+        row_tile, col_tile: the GEMM's cache tiles (contract constants ``row_tile``, ``col_tile``;
+            they move no bit).
         out_dtype: output dtype; default ``x.dtype`` (the boundary dtype). ``torch.float32`` keeps
             the fp32 accumulator (used for logits).
 
     Returns:
         ``[N, M]`` in ``out_dtype``. Differentiable.
     """
-    m, k = w.shape
-    wt = w.float().t()
-    pad = (-m) % col_tile
-    if pad:
-        wt = torch.cat([wt, wt.new_zeros((k, pad))], dim=1)
-    xf = x.float()
-    if m == 0:
-        return xf.new_zeros((x.shape[0], 0)).to(out_dtype or x.dtype)
-    y = torch.cat(tile_mms([(xf, wt[:, c : c + col_tile]) for c in range(0, m + pad, col_tile)], row_tile), dim=1)
-    return y[:, :m].to(out_dtype or x.dtype)
+    wt = w.t().to(torch.float32, memory_format=torch.contiguous_format)  # [K, M], one copy
+    return tile_mm(x.float(), wt, row_tile, col_tile, grad_dtype_of(x)).to(out_dtype or x.dtype)
 
 
 def iso_row_linear(x: torch.Tensor, w: torch.Tensor, row_tile: int, leaves: int,

@@ -1,0 +1,57 @@
+"""The CPU GEMM kernel of the isoexec set: ``fma_gemm.c`` (one ascending fused-multiply-add chain
+over K per output element, so its bits depend on nothing but that element's row of ``x`` and column
+of ``w``; see the C file's header), built by :mod:`isoexec.kernels.native_build`."""
+
+from __future__ import annotations
+
+import ctypes
+from functools import cache
+from pathlib import Path
+
+import torch
+
+K_ORDER = "ascending_fmaf_chain"
+"""Contract value of the GEMM's summation: ``acc = fmaf(x[i, k], w[k, j], acc)`` for k ascending from 0."""
+
+
+@cache
+def _lib() -> ctypes.CDLL:
+    from isoexec.kernels.native_build import load_c_kernel
+
+    return load_c_kernel(str(Path(__file__).with_name("fma_gemm.c")))
+
+
+def fma_gemm(x: torch.Tensor, w: torch.Tensor, row_tile: int, col_tile: int | None = None) -> torch.Tensor:
+    """``x @ w`` in fp32, each output one ascending FMA chain over K (not differentiable; see
+    :func:`isoexec.kernels.primitives.tile_mms` for the autograd node).
+
+    Args:
+        x: ``[N, K]`` float32 (any N >= 0; a column stride other than 1 is copied).
+        w: ``[K, M]`` float32 (copied contiguous if its columns are not).
+        row_tile: rows per cache block (contract constant ``row_tile``; moves no bit).
+        col_tile: columns per cache block (contract constant ``col_tile``; moves no bit); None: all M.
+
+    Returns:
+        ``[N, M]`` float32; element (i, j) depends only on ``x[i]`` and ``w[:, j]``.
+
+    Raises:
+        ValueError: a dtype other than float32, non-2-D inputs, mismatched K, or a tile < 1.
+    """
+    if x.dtype != torch.float32 or w.dtype != torch.float32:
+        raise ValueError(f"fma_gemm takes float32 x and w, got {x.dtype} and {w.dtype}")
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[0]:
+        raise ValueError(f"fma_gemm needs x [N, K] and w [K, M], got {tuple(x.shape)} and {tuple(w.shape)}")
+    n, k = x.shape
+    m = w.shape[1]
+    col_tile = max(m, 1) if col_tile is None else col_tile
+    if row_tile < 1 or col_tile < 1:
+        raise ValueError(f"fma_gemm tiles must be >= 1, got row_tile={row_tile}, col_tile={col_tile}")
+    x = x if x.stride(1) == 1 or k <= 1 else x.contiguous()
+    w = w if w.stride(1) == 1 or m <= 1 else w.contiguous()
+    y = torch.empty((n, m), dtype=torch.float32)
+    if n and m:
+        p = lambda t: ctypes.c_void_p(t.data_ptr())  # noqa: E731
+        i = ctypes.c_int64
+        _lib().isoexec_fma_gemm(p(x), p(w), p(y), i(n), i(k), i(m), i(x.stride(0)), i(w.stride(0)), i(m),
+                                i(row_tile), i(col_tile))
+    return y

@@ -1,0 +1,71 @@
+/* Batch-, column- and TP-invariant fp32 GEMM on CPU: y = x @ w (every isoexec CPU GEMM region).
+ *
+ * Bits: every output element is one chain of fused multiply-adds over k in ascending order,
+ *     acc = 0;  for k = 0 .. K-1:  acc = fmaf(x[i, k], w[k, j], acc);  y[i, j] = acc
+ * (fmaf is one correctly rounded IEEE operation, so the chain has one result on every machine,
+ * whether the compiler maps it to a vector FMA of any width or to scalar code; it is explicit, so
+ * -ffp-contract=off does not touch it). Nothing else enters an element: the number of rows, the
+ * element's position, the other columns computed with it, the blocking below and the SIMD width
+ * cannot change it. A row's bits therefore do not depend on its batch, and a TP rank's slice of
+ * output columns has the bits of the same columns of the whole product.
+ *
+ * Speed: a cache block of row_tile rows x col_tile columns (runtime launch constants, the contract's
+ * row_tile and col_tile; they move no bit) is computed by register micro-tiles of MR rows x NR
+ * columns (MR * NR fp32 accumulators live across the k loop, NR consecutive columns of w loaded
+ * once per k and shared by MR rows); edge tiles run the same chain one row at a time.
+ *
+ * Layout: x [N, K] with row stride ldx, w [K, M] with row stride ldw (columns contiguous), y [N, M]
+ * with row stride ldy; all fp32.
+ */
+#include <math.h>
+#include <stdint.h>
+
+#define MR 4
+#define NR 64
+
+static void micro_full(const float *restrict x, int64_t ldx, const float *restrict w, int64_t ldw,
+                       float *restrict y, int64_t ldy, int64_t K) {
+    float acc[MR][NR];
+    for (int r = 0; r < MR; ++r)
+        for (int c = 0; c < NR; ++c) acc[r][c] = 0.0f;
+    for (int64_t k = 0; k < K; ++k) {
+        const float *restrict wk = w + k * ldw;
+        for (int r = 0; r < MR; ++r) {
+            const float a = x[r * ldx + k];
+            for (int c = 0; c < NR; ++c) acc[r][c] = fmaf(a, wk[c], acc[r][c]);
+        }
+    }
+    for (int r = 0; r < MR; ++r)
+        for (int c = 0; c < NR; ++c) y[r * ldy + c] = acc[r][c];
+}
+
+static void micro_edge(const float *restrict x, int64_t ldx, const float *restrict w, int64_t ldw,
+                       float *restrict y, int64_t ldy, int64_t K, int64_t rows, int64_t cols) {
+    for (int64_t r = 0; r < rows; ++r) {
+        float acc[NR];
+        for (int64_t c = 0; c < cols; ++c) acc[c] = 0.0f;
+        for (int64_t k = 0; k < K; ++k) {
+            const float a = x[r * ldx + k];
+            const float *restrict wk = w + k * ldw;
+            for (int64_t c = 0; c < cols; ++c) acc[c] = fmaf(a, wk[c], acc[c]);
+        }
+        for (int64_t c = 0; c < cols; ++c) y[r * ldy + c] = acc[c];
+    }
+}
+
+void isoexec_fma_gemm(const float *restrict x, const float *restrict w, float *restrict y, int64_t N, int64_t K,
+                      int64_t M, int64_t ldx, int64_t ldw, int64_t ldy, int64_t row_tile, int64_t col_tile) {
+    for (int64_t j0 = 0; j0 < M; j0 += col_tile) {
+        const int64_t j1 = j0 + col_tile < M ? j0 + col_tile : M;
+        for (int64_t i0 = 0; i0 < N; i0 += row_tile) {
+            const int64_t i1 = i0 + row_tile < N ? i0 + row_tile : N;
+            for (int64_t j = j0; j < j1; j += NR) {
+                const int64_t cols = j1 - j < NR ? j1 - j : NR;
+                int64_t i = i0;
+                if (cols == NR)
+                    for (; i + MR <= i1; i += MR) micro_full(x + i * ldx, ldx, w + j, ldw, y + i * ldy + j, ldy, K);
+                if (i < i1) micro_edge(x + i * ldx, ldx, w + j, ldw, y + i * ldy + j, ldy, K, i1 - i, cols);
+            }
+        }
+    }
+}
