@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from isoexec.kernels.primitives import sigmoid, silu, softplus, tile_mm, tile_mms, tree_sum
+from isoexec.kernels.primitives import sigmoid, silu, softplus, tile_mm, tree_sum
 
 
 def test_tile_mm_row_bits_independent_of_row_count_and_position():
@@ -110,19 +110,28 @@ def test_tile_mm_gradient_is_the_matmul_gradient():
         assert torch.equal(tile_mm(x, w, 16), tile_mm(x.detach(), w.detach(), 16))  # same forward bits
 
 
-def test_tile_mms_gives_each_pair_the_bits_of_its_own_tile_mm():
-    """Several GEMMs in one call (pairs sharing x, a pik GEMM's leaves): each output is
-    bitwise ``tile_mm`` of its pair alone, with and without autograd; the gradient is the matmul's."""
+def test_tile_mm_leaves_are_the_tree_of_the_leaf_chains_and_one_chain_is_not():
+    """The pik leaf GEMM in one call: ``tile_mm(..., leaves=L)`` is bitwise the adjacent-pairs tree
+    (``pik_tree_combine``) of the L leaves' own GEMMs, at any rows and tiles; its gradient is the
+    matmul's. Negative control: the one chain over all of K (leaves=1) differs."""
+    from isoexec.kernels.collectives.pik import pik_tree_combine
+
     g = torch.Generator().manual_seed(4)
-    x = torch.randn(37, 24, generator=g, requires_grad=True)
-    other = torch.randn(5, 24, generator=g)
-    ws = [torch.randn(24, m, generator=g, requires_grad=True) for m in (8, 16, 3)]
-    pairs = [(x, ws[0]), (x, ws[1]), (other, ws[2])]
-    with torch.no_grad():
-        alone = [tile_mm(a, b, 16) for a, b in pairs]
-        assert all(torch.equal(y, r) for y, r in zip(tile_mms(pairs, 16), alone))
-    ys = tile_mms(pairs, 16)
-    assert all(torch.equal(y.detach(), r) for y, r in zip(ys, alone))
-    sum((y * (i + 1)).sum() for i, y in enumerate(ys)).backward()
-    assert torch.allclose(x.grad, ws[0].sum(1) + 2 * ws[1].sum(1), atol=1e-5)
-    assert torch.allclose(ws[2].grad, 3 * other.sum(0)[:, None].expand(24, 3), atol=1e-5)
+    for n, k, m, L in [(1, 64, 8, 8), (37, 256, 130, 8), (70, 128, 64, 4), (5, 32, 3, 2)]:
+        x, w = torch.randn(n, k, generator=g), torch.randn(k, m, generator=g)
+        width = k // L
+        ref = pik_tree_combine([tile_mm(x[:, j * width:(j + 1) * width], w[j * width:(j + 1) * width], 64)
+                                for j in range(L)])
+        for rt, ct in [(64, None), (1, 1), (4, 64), (16, 5)]:
+            assert torch.equal(tile_mm(x, w, rt, ct, leaves=L), ref), (n, k, m, L, rt, ct)
+        assert torch.equal(tile_mm(x[:1], w, 64, leaves=L), ref[:1])
+        if n > 1:
+            assert not torch.equal(tile_mm(x, w, 64), ref), (n, k, m, L)
+    x = torch.randn(37, 64, generator=g, requires_grad=True)
+    w = torch.randn(64, 24, generator=g, requires_grad=True)
+    gy = torch.randn(37, 24, generator=g)
+    (tile_mm(x, w, 16, leaves=8) * gy).sum().backward()
+    assert torch.allclose(x.grad, gy @ w.detach().t(), atol=1e-5)
+    assert torch.allclose(w.grad, x.detach().t() @ gy, atol=1e-5)
+    with pytest.raises(ValueError, match="leaves=3 must be a power of two dividing K=64"):
+        tile_mm(x.detach(), w.detach(), 16, leaves=3)

@@ -23,32 +23,24 @@ import torch
 from isoexec.kernels.gemm.fma import fma_gemm
 
 
-class _TileMMs(torch.autograd.Function):
-    """Forward: every pair's GEMM by the C kernel (the bits). Backward: two plain matmuls per pair in
-    ``grad_dtype`` (the gradient need not be bitwise; bf16 for bf16 activations, as a native bf16
-    trainer computes it; one autograd node for all pairs instead of one per pair)."""
+class _TileMM(torch.autograd.Function):
+    """Forward: the C kernel (the bits). Backward: two plain matmuls in ``grad_dtype`` (the gradient
+    need not be bitwise; bf16 for bf16 activations, as a native bf16 trainer computes it; the leaf
+    tree is linear, so the leaves need no backward of their own)."""
 
     @staticmethod
-    def forward(ctx, row_tile, col_tile, grad_dtype, *xw):  # noqa: D102
-        ctx.save_for_backward(*xw)
+    def forward(ctx, x, w, row_tile, col_tile, grad_dtype, leaves):  # noqa: D102
+        ctx.save_for_backward(x, w)
         ctx.grad_dtype = grad_dtype
-        return tuple(_tile_mm_pairs([(xw[i], xw[i + 1]) for i in range(0, len(xw), 2)], row_tile, col_tile))
+        return fma_gemm(x, w, row_tile, col_tile, leaves)
 
     @staticmethod
-    def backward(ctx, *gs):  # noqa: D102
-        xw, dt = ctx.saved_tensors, ctx.grad_dtype
-        grads: list[torch.Tensor | None] = [None, None, None]
-        for j, g in enumerate(gs):
-            x, w = xw[2 * j].to(dt), xw[2 * j + 1].to(dt)
-            g = g.to(dt)
-            grads.append((g @ w.t()).float() if ctx.needs_input_grad[3 + 2 * j] else None)
-            grads.append((x.t() @ g).float() if ctx.needs_input_grad[4 + 2 * j] else None)
-        return tuple(grads)
-
-
-def _tile_mm_pairs(pairs, row_tile: int, col_tile: int | None) -> list[torch.Tensor]:
-    """:func:`~isoexec.kernels.gemm.fma.fma_gemm` of every (x, w) pair."""
-    return [fma_gemm(x, w, row_tile, col_tile) for x, w in pairs]
+    def backward(ctx, g):  # noqa: D102
+        x, w = (t.to(ctx.grad_dtype) for t in ctx.saved_tensors)
+        g = g.to(ctx.grad_dtype)
+        gx = (g @ w.t()).float() if ctx.needs_input_grad[0] else None
+        gw = (x.t() @ g).float() if ctx.needs_input_grad[1] else None
+        return gx, gw, None, None, None, None
 
 
 def grad_dtype_of(x: torch.Tensor) -> torch.dtype:
@@ -57,55 +49,38 @@ def grad_dtype_of(x: torch.Tensor) -> torch.dtype:
     return torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
 
 
-def tile_mms(pairs: list[tuple[torch.Tensor, torch.Tensor]], row_tile: int, col_tile: int | None = None,
-             grad_dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
-    """:func:`tile_mm` of every ``(x, w)`` pair, as one autograd node (a linear's fused gate/up, the
-    leaves of a pik GEMM).
-
-    Args:
-        pairs: ``(x [N_j, K_j], w [K_j, M_j])`` float32.
-        row_tile, col_tile: the C kernel's cache tiles (contract constants; they move no bit).
-        grad_dtype: dtype of the backward matmuls: ``torch.bfloat16`` where x and w hold bf16 values
-            (the model's boundary dtype), else ``torch.float32``.
-
-    Returns:
-        per pair ``[N_j, M_j]`` float32, bitwise :func:`tile_mm` of that pair. Differentiable
-        (plain-matmul gradients in ``grad_dtype``, returned as float32).
-
-    Raises:
-        ValueError: ``grad_dtype`` other than bfloat16 or float32.
-    """
-    if grad_dtype not in (torch.bfloat16, torch.float32):
-        raise ValueError(f"grad_dtype must be torch.bfloat16 or torch.float32, got {grad_dtype}")
-    flat = [t for xw in pairs for t in xw]
-    if torch.is_grad_enabled() and any(t.requires_grad for t in flat):
-        return list(_TileMMs.apply(row_tile, col_tile, grad_dtype, *flat))
-    return _tile_mm_pairs(pairs, row_tile, col_tile)
-
-
 def tile_mm(x: torch.Tensor, w: torch.Tensor, row_tile: int, col_tile: int | None = None,
-            grad_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+            grad_dtype: torch.dtype = torch.float32, leaves: int = 1) -> torch.Tensor:
     """Batch- and column-invariant ``x @ w`` in fp32 (the isoexec CPU GEMM).
 
-    Each output element is one ascending fused-multiply-add chain over K
-    (:func:`~isoexec.kernels.gemm.fma.fma_gemm`), in cache tiles of ``row_tile`` rows x ``col_tile``
-    columns that do not change it.
+    Each output element is one ascending fused-multiply-add chain over K, or over each of ``leaves``
+    contiguous K leaves added by the fixed adjacent-pairs tree (the pik leaf GEMM)
+    (:func:`~isoexec.kernels.gemm.fma.fma_gemm`), in cache tiles of ``row_tile`` rows x
+    ``col_tile`` columns that do not change it.
 
     Args:
         x: ``[N, K]`` float32; any N >= 0.
         w: ``[K, M]`` float32, the same tensor for every row.
         row_tile, col_tile: cache tiles (contract constants); ``col_tile`` None: all M columns.
-        grad_dtype: dtype of the backward matmuls (:func:`tile_mms`).
+        grad_dtype: dtype of the backward matmuls: ``torch.bfloat16`` where x and w hold bf16 values
+            (the model's boundary dtype, :func:`grad_dtype_of`), else ``torch.float32``.
+        leaves: pik leaves over K (a power of two dividing K; 1: one chain over all of K).
 
     Returns:
-        ``[N, M]``; element (i, j) depends only on ``x[i]`` and ``w[:, j]`` (never on N, on the other
-        rows or columns, on the row's position or on the tiles). Differentiable: the gradient is that
-        of ``x @ w`` computed by two plain matmuls in ``grad_dtype`` (not bitwise; the forward is).
+        ``[N, M]`` float32; element (i, j) depends only on ``x[i]`` and ``w[:, j]`` (never on N, on
+        the other rows or columns, on the row's position or on the tiles). Differentiable: the
+        gradient is that of ``x @ w`` by two plain matmuls in ``grad_dtype``, returned as float32
+        (not bitwise; the forward is).
 
     Raises:
-        ValueError: inputs not float32, shapes that do not chain, a tile < 1.
+        ValueError: inputs not float32, shapes that do not chain, a tile < 1, ``leaves`` not a power
+            of two dividing K, ``grad_dtype`` other than bfloat16 or float32.
     """
-    return tile_mms([(x, w)], row_tile, col_tile, grad_dtype)[0]
+    if grad_dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"grad_dtype must be torch.bfloat16 or torch.float32, got {grad_dtype}")
+    if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
+        return _TileMM.apply(x, w, row_tile, col_tile, grad_dtype, leaves)
+    return fma_gemm(x, w, row_tile, col_tile, leaves)
 
 
 def tree_sum(x: torch.Tensor, dim: int = -1, keepdim: bool = False) -> torch.Tensor:

@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 from isoexec.kernels.moe.routing import routing_order_sum
-from isoexec.kernels.primitives import grad_dtype_of, tile_mm, tile_mms
+from isoexec.kernels.primitives import grad_dtype_of, tile_mm
 
 __all__ = [
     "native_expert_parallel_combine",
@@ -142,9 +142,9 @@ def pik_row_parallel_partial(
         row_tile: rows per GEMM tile (contract constant ``row_tile``).
 
     Returns:
-        ``[N, M]`` fp32: the sum of the rank's ``leaves/tp`` leaf partials in fixed tree order. Each
-        leaf is ``tile_mm`` over ``K/leaves`` contiguous features, copied contiguous, so its GEMM has
-        the same shape, layout and data whatever ``tp`` is.
+        ``[N, M]`` fp32: the sum of the rank's ``leaves/tp`` leaf partials in fixed tree order
+        (:func:`pik_tree_combine`'s tree), in one call of the C GEMM (``tile_mm`` with ``leaves``):
+        each leaf's partial is one FMA chain over its ``K/leaves`` features, whatever ``tp`` is.
 
     Raises:
         ValueError: ``leaves`` not a power of two, ``leaves % tp != 0``, mismatched K, or ``K/tp`` not
@@ -162,11 +162,8 @@ def pik_row_parallel_partial(
             f"local K={k_local} is not divisible by leaves/tp={per_rank} (leaves={leaves}, tp={tp}); "
             f"the global K must be divisible by leaves"
         )
-    width = k_local // per_rank
-    xf, wf = x_shard.float(), w_shard.float()
-    leaves_xw = [(xf[:, j * width : (j + 1) * width].contiguous(), wf[:, j * width : (j + 1) * width].t())
-                 for j in range(per_rank)]
-    return pik_tree_combine(tile_mms(leaves_xw, row_tile, grad_dtype=grad_dtype_of(x_shard)))
+    wt = w_shard.t().to(torch.float32, memory_format=torch.contiguous_format)  # [K/tp, M]
+    return tile_mm(x_shard.float(), wt, row_tile, None, grad_dtype_of(x_shard), leaves=per_rank)
 
 
 def pik_all_reduce(partial: torch.Tensor, group=None) -> torch.Tensor:

@@ -11,7 +11,8 @@ from pathlib import Path
 import torch
 
 K_ORDER = "ascending_fmaf_chain"
-"""Contract value of the GEMM's summation: ``acc = fmaf(x[i, k], w[k, j], acc)`` for k ascending from 0."""
+"""Contract value of the GEMM's summation: ``acc = fmaf(x[i, k], w[k, j], acc)`` for k ascending from 0 (per leaf, for
+the pik leaf GEMM, whose leaves then meet in the adjacent-pairs tree)."""
 
 
 @cache
@@ -21,21 +22,25 @@ def _lib() -> ctypes.CDLL:
     return load_c_kernel(str(Path(__file__).with_name("fma_gemm.c")))
 
 
-def fma_gemm(x: torch.Tensor, w: torch.Tensor, row_tile: int, col_tile: int | None = None) -> torch.Tensor:
-    """``x @ w`` in fp32, each output one ascending FMA chain over K (not differentiable; see
-    :func:`isoexec.kernels.primitives.tile_mms` for the autograd node).
+def fma_gemm(x: torch.Tensor, w: torch.Tensor, row_tile: int, col_tile: int | None = None,
+             leaves: int = 1) -> torch.Tensor:
+    """``x @ w`` in fp32, each output one ascending FMA chain over K, or with ``leaves`` > 1 the
+    fixed adjacent-pairs tree over the chains of ``leaves`` contiguous K leaves (the pik leaf GEMM).
+    Not differentiable; :func:`isoexec.kernels.primitives.tile_mm` is the autograd node.
 
     Args:
         x: ``[N, K]`` float32 (any N >= 0; a column stride other than 1 is copied).
         w: ``[K, M]`` float32 (copied contiguous if its columns are not).
         row_tile: rows per cache block (contract constant ``row_tile``; moves no bit).
         col_tile: columns per cache block (contract constant ``col_tile``; moves no bit); None: all M.
+        leaves: L, contiguous leaves over K (a power of two dividing K; 1: one chain over all of K).
 
     Returns:
         ``[N, M]`` float32; element (i, j) depends only on ``x[i]`` and ``w[:, j]``.
 
     Raises:
-        ValueError: a dtype other than float32, non-2-D inputs, mismatched K, or a tile < 1.
+        ValueError: a dtype other than float32, non-2-D inputs, mismatched K, a tile < 1, or ``leaves``
+            not a power of two dividing K.
     """
     if x.dtype != torch.float32 or w.dtype != torch.float32:
         raise ValueError(f"fma_gemm takes float32 x and w, got {x.dtype} and {w.dtype}")
@@ -46,6 +51,8 @@ def fma_gemm(x: torch.Tensor, w: torch.Tensor, row_tile: int, col_tile: int | No
     col_tile = max(m, 1) if col_tile is None else col_tile
     if row_tile < 1 or col_tile < 1:
         raise ValueError(f"fma_gemm tiles must be >= 1, got row_tile={row_tile}, col_tile={col_tile}")
+    if leaves < 1 or leaves & (leaves - 1) or k % leaves:
+        raise ValueError(f"fma_gemm leaves={leaves} must be a power of two dividing K={k}")
     x = x if x.stride(1) == 1 or k <= 1 else x.contiguous()
     w = w if w.stride(1) == 1 or m <= 1 else w.contiguous()
     y = torch.empty((n, m), dtype=torch.float32)
@@ -53,5 +60,5 @@ def fma_gemm(x: torch.Tensor, w: torch.Tensor, row_tile: int, col_tile: int | No
         p = lambda t: ctypes.c_void_p(t.data_ptr())  # noqa: E731
         i = ctypes.c_int64
         _lib().isoexec_fma_gemm(p(x), p(w), p(y), i(n), i(k), i(m), i(x.stride(0)), i(w.stride(0)), i(m),
-                                i(row_tile), i(col_tile))
+                                i(row_tile), i(col_tile), i(leaves))
     return y

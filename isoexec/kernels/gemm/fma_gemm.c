@@ -9,12 +9,17 @@
  * cannot change it. A row's bits therefore do not depend on its batch, and a TP rank's slice of
  * output columns has the bits of the same columns of the whole product.
  *
+ * Leaves (the pik leaf GEMM, isoexec.kernels.collectives.pik): with L > 1 leaves, K splits into L
+ * contiguous leaves of K/L features; each leaf's partial is the chain above over its own k range
+ * (starting from 0), and the L partials are added by the fixed tree of adjacent pairs,
+ * ((p0 + p1) + (p2 + p3)) + ..., one IEEE fp32 addition per node (exactly pik_tree_combine).
+ *
  * Speed: a cache block of row_tile rows x col_tile columns (runtime launch constants, the contract's
  * row_tile and col_tile; they move no bit) is computed by register micro-tiles of MR rows x NR
  * columns (MR * NR fp32 accumulators live across the k loop, NR consecutive columns of w loaded
  * once per k and shared by MR rows); edge tiles run the same chain one row at a time.
  *
- * Layout: x [N, K] with row stride ldx, w [K, M] with row stride ldw (columns contiguous), y [N, M]
+ * Layout (K divisible by L, checked by the caller): x [N, K] with row stride ldx, w [K, M] with row stride ldw (columns contiguous), y [N, M]
  * with row stride ldy; all fp32.
  */
 #include <math.h>
@@ -22,6 +27,16 @@
 
 #define MR 4
 #define NR 64
+
+/* the adjacent-pairs tree over L partial tiles of n floats each, spaced by stride; the sum lands in t[0] */
+static void tree_sum(float *restrict t, int64_t L, int64_t n, int64_t stride) {
+    for (int64_t s = 1; s < L; s *= 2)
+        for (int64_t i = 0; i + s < L; i += 2 * s) {
+            float *restrict a = t + i * stride;
+            const float *restrict b = t + (i + s) * stride;
+            for (int64_t e = 0; e < n; ++e) a[e] = a[e] + b[e];
+        }
+}
 
 static void micro_full(const float *restrict x, int64_t ldx, const float *restrict w, int64_t ldw,
                        float *restrict y, int64_t ldy, int64_t K) {
@@ -54,17 +69,35 @@ static void micro_edge(const float *restrict x, int64_t ldx, const float *restri
 }
 
 void isoexec_fma_gemm(const float *restrict x, const float *restrict w, float *restrict y, int64_t N, int64_t K,
-                      int64_t M, int64_t ldx, int64_t ldw, int64_t ldy, int64_t row_tile, int64_t col_tile) {
+                      int64_t M, int64_t ldx, int64_t ldw, int64_t ldy, int64_t row_tile, int64_t col_tile,
+                      int64_t L) {
+    /* L == 1: chains straight into y. L > 1: leaf l's micro-tile goes to scratch tile l (MR x NR
+       floats), then the tree over the L scratch tiles writes y. */
+    const int64_t W = K / L;
+    float scratch[L > 1 ? L * MR * NR : 1];
     for (int64_t j0 = 0; j0 < M; j0 += col_tile) {
         const int64_t j1 = j0 + col_tile < M ? j0 + col_tile : M;
         for (int64_t i0 = 0; i0 < N; i0 += row_tile) {
             const int64_t i1 = i0 + row_tile < N ? i0 + row_tile : N;
             for (int64_t j = j0; j < j1; j += NR) {
                 const int64_t cols = j1 - j < NR ? j1 - j : NR;
-                int64_t i = i0;
-                if (cols == NR)
-                    for (; i + MR <= i1; i += MR) micro_full(x + i * ldx, ldx, w + j, ldw, y + i * ldy + j, ldy, K);
-                if (i < i1) micro_edge(x + i * ldx, ldx, w + j, ldw, y + i * ldy + j, ldy, K, i1 - i, cols);
+                for (int64_t i = i0; i < i1; i += MR) {
+                    const int64_t rows = i1 - i < MR ? i1 - i : MR;
+                    if (L == 1) {
+                        if (rows == MR && cols == NR) micro_full(x + i * ldx, ldx, w + j, ldw, y + i * ldy + j, ldy, K);
+                        else micro_edge(x + i * ldx, ldx, w + j, ldw, y + i * ldy + j, ldy, K, rows, cols);
+                        continue;
+                    }
+                    for (int64_t l = 0; l < L; ++l) {
+                        const float *xl = x + i * ldx + l * W, *wl = w + l * W * ldw + j;
+                        float *tl = scratch + l * MR * NR;
+                        if (rows == MR && cols == NR) micro_full(xl, ldx, wl, ldw, tl, NR, W);
+                        else micro_edge(xl, ldx, wl, ldw, tl, NR, W, rows, cols);
+                    }
+                    tree_sum(scratch, L, MR * NR, MR * NR);
+                    for (int64_t r = 0; r < rows; ++r)
+                        for (int64_t c = 0; c < cols; ++c) y[(i + r) * ldy + j + c] = scratch[r * NR + c];
+                }
             }
         }
     }
