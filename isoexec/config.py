@@ -78,11 +78,6 @@ class TritonSection(_Section):
         "the H200: no program or tile choice moves a bit (each output accumulates the same 16-wide tensor-core K "
         "steps in ascending order; results/h200/gemm_buckets/variants_gemm.csv checks every candidate, BK = 32 "
         "included, against the pinned tiles), and the gates check the pinned buckets on the model")
-    gemm_bfloat16_fp32_out: tuple[PositiveInt, PositiveInt, PositiveInt, PositiveInt, PositiveInt] | None = Field(
-        None, description="bf16/fp16 column GEMMs with an fp32 output (the lm_head logits) above the row buckets: BM, "
-        "BN, BK, num_warps, num_stages; None: gemm_bfloat16. Lets gemm_bfloat16 take tiles whose fp32 epilogue does not "
-        "fit in shared memory (128x256x64 with 4 stages needs 328 KB for an fp32 output; the H200 has 232 KB); no tile "
-        "choice moves a bit (see gemm_bfloat16_by_rows)")
     pik_gemm_bfloat16: tuple[PositiveInt, PositiveInt, PositiveInt, PositiveInt, PositiveInt] = Field(
         (128, 64, 64, 8, 3), description="bf16 leaf GEMM (row-parallel regions, pik) tiles: BM, BN, BK, num_warps, num_stages")
     pik_gemm_float32: tuple[PositiveInt, PositiveInt, PositiveInt, PositiveInt, PositiveInt] = Field(
@@ -112,9 +107,7 @@ class TritonSection(_Section):
     def _powers_of_two(self) -> "TritonSection":
         bad = [f"kernels.triton.{k}={v}" for k, v in self.model_dump().items()
                if k.endswith(("_bv", "_block_m", "_block_t", "_block_c", "_program_leaves")) and v & (v - 1)]
-        for name in ("gemm_bfloat16", "gemm_float32", "gemm_bfloat16_fp32_out", "pik_gemm_bfloat16", "pik_gemm_float32"):
-            if getattr(self, name) is None:
-                continue
+        for name in ("gemm_bfloat16", "gemm_float32", "pik_gemm_bfloat16", "pik_gemm_float32"):
             bm, bn, bk, _, _ = getattr(self, name)
             bad += [f"kernels.triton.{name} tile {t}" for t in (bm, bn, bk) if t < 16 or t & (t - 1)]
         for i, b in enumerate(self.gemm_bfloat16_by_rows):

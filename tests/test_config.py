@@ -110,11 +110,6 @@ def test_gemm_row_buckets_pick_by_rows_and_must_ascend():
     assert program_for(ok, torch.bfloat16, 1) == ("tiled", (64, 128, 64, 4, 4))
     assert program_for(ok, torch.bfloat16, 65) == ("persistent_tma", (128, 128, 64, 8, 4))
     assert program_for(ok, torch.bfloat16, 513) == ("persistent_tma", (128, 256, 64, 8, 3))
-    assert program_for(ok, torch.bfloat16, 513, torch.float32) == ("persistent_tma", (128, 256, 64, 8, 3))
-    fp32_out = ok.model_copy(update={"gemm_bfloat16_fp32_out": (128, 128, 64, 8, 4)})
-    assert program_for(fp32_out, torch.bfloat16, 513, torch.float32) == ("persistent_tma", (128, 128, 64, 8, 4))
-    assert program_for(fp32_out, torch.bfloat16, 513, torch.bfloat16) == ("persistent_tma", (128, 256, 64, 8, 3))
-    assert program_for(fp32_out, torch.bfloat16, 64, torch.float32) == ("tiled", (64, 128, 64, 4, 4))  # buckets first
     assert program_for(ok, torch.float32, 1) == ("tiled", tuple(ok.gemm_float32))
     with pytest.raises(ValidationError, match=r"max_rows \[512, 64\] must be strictly ascending"):
         TritonSection(gemm_bfloat16_by_rows=[{"max_rows": 512, "program": "tiled", "tiles": (64, 128, 64, 4, 4)},

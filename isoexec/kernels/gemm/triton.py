@@ -246,26 +246,18 @@ def constants(cfg, dtype: torch.dtype) -> dict:
     if dtype != torch.float32 and cfg.gemm_bfloat16_by_rows:
         c["row_buckets"] = ";".join(f"rows<={b.max_rows}:{b.program}:{'x'.join(map(str, b.tiles[:3]))}"
                                     f":{b.tiles[3]}w:{b.tiles[4]}s" for b in cfg.gemm_bfloat16_by_rows)
-    if dtype != torch.float32 and cfg.gemm_bfloat16_fp32_out is not None:
-        t = cfg.gemm_bfloat16_fp32_out
-        c["fp32_out_tiles"] = f"{'x'.join(map(str, t[:3]))}:{t[3]}w:{t[4]}s"
     return c
 
 
-def program_for(cfg, dtype: torch.dtype, rows: int,
-                out_dtype: torch.dtype | None = None) -> tuple[str, tuple[int, int, int, int, int]]:
-    """(program, tiles) of a column GEMM of ``rows`` rows with inputs of ``dtype`` and output of
-    ``out_dtype`` (default ``dtype``): fp32 inputs always the tiled program with ``gemm_float32``;
-    bf16/fp16 the first ``gemm_bfloat16_by_rows`` bucket with ``rows <= max_rows``, else
-    ``gemm_kernel`` with ``gemm_bfloat16_fp32_out`` for an fp32 output where it is set, else with
-    ``gemm_bfloat16``."""
+def program_for(cfg, dtype: torch.dtype, rows: int) -> tuple[str, tuple[int, int, int, int, int]]:
+    """(program, tiles) of a column GEMM of ``rows`` rows: fp32 always the tiled program with
+    ``gemm_float32``; bf16/fp16 the first ``gemm_bfloat16_by_rows`` bucket with ``rows <= max_rows``,
+    else ``gemm_kernel`` with ``gemm_bfloat16``."""
     if dtype == torch.float32:
         return "tiled", tiles_for(cfg, dtype)
     for b in cfg.gemm_bfloat16_by_rows:
         if rows <= b.max_rows:
             return b.program, tuple(b.tiles)
-    if out_dtype == torch.float32 and cfg.gemm_bfloat16_fp32_out is not None:
-        return cfg.gemm_kernel, tuple(cfg.gemm_bfloat16_fp32_out)
     return cfg.gemm_kernel, tiles_for(cfg, dtype)
 
 
@@ -298,8 +290,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, cfg, out_dtype: torch.dtype | None 
 
     Args:
         x: ``[M, K]`` (bf16 / fp16 / fp32, CUDA). w: ``[N, K]`` (``nn.Linear`` layout; cast to x's dtype).
-        cfg: ``isoexec.config.TritonSection`` (program and tiles by the number of rows and the
-            output dtype, :func:`program_for`; fp32 inputs always run the tiled program).
+        cfg: ``isoexec.config.TritonSection`` (program and tiles by the number of rows,
+            :func:`program_for`; fp32 inputs always run the tiled program).
         out_dtype: output dtype (default ``x.dtype``; fp32 keeps the accumulator, e.g. for logits).
 
     Returns:
@@ -312,7 +304,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, cfg, out_dtype: torch.dtype | None 
     y = torch.empty((M, N), device=x.device, dtype=out_dtype or x.dtype)
     if M == 0:
         return y
-    program, (BM, BN, BK, nw, ns) = program_for(cfg, x.dtype, M, y.dtype)
+    program, (BM, BN, BK, nw, ns) = program_for(cfg, x.dtype, M)
     if program == "persistent_tma":
         from triton.tools.tensor_descriptor import TensorDescriptor
 
