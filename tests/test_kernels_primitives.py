@@ -88,6 +88,34 @@ def test_one_column_mkl_gemm_differs_from_its_column_in_a_wider_gemm_negative_co
     assert not torch.equal(torch.mm(x, w[:, :1].contiguous()), torch.mm(x, w)[:, :1])
 
 
+def test_tile_mm_empty_shapes_and_strided_views():
+    """Zero rows, columns or features give the product's zeros / empty results (leaves too); views
+    with other strides give the bits of their contiguous copies."""
+    g = torch.Generator().manual_seed(5)
+    for n, k, m, L in [(0, 8, 3, 1), (5, 8, 0, 1), (5, 0, 3, 1), (5, 0, 3, 4), (0, 0, 0, 1)]:
+        y = tile_mm(torch.randn(n, k, generator=g), torch.randn(k, m, generator=g), 16, leaves=L)
+        assert y.shape == (n, m) and torch.equal(y, torch.zeros(n, m)), (n, k, m, L)
+    x, w = torch.randn(40, 30, generator=g), torch.randn(70, 20, generator=g)
+    xs, ws = x.t()[::2], w[::3, 1:]  # [15, 40] with column stride 30; [24, 19] row stride 60
+    assert torch.equal(tile_mm(xs[:, :24], ws, 16), tile_mm(xs[:, :24].contiguous(), ws.contiguous(), 16))
+
+
+def test_tile_mm_bf16_backward_is_the_bf16_matmul_gradient():
+    """``grad_dtype=torch.bfloat16`` (bf16 activations): the gradients are exactly the bf16 matmuls of
+    the upstream gradient, as a native bf16 trainer computes them; fp32 keeps fp32 matmuls."""
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(33, 48, generator=g).bfloat16().float().requires_grad_()
+    w = torch.randn(48, 20, generator=g).bfloat16().float().requires_grad_()
+    gy = torch.randn(33, 20, generator=g)
+    (tile_mm(x, w, 16, grad_dtype=torch.bfloat16) * gy).sum().backward()
+    gb = gy.bfloat16()
+    assert torch.equal(x.grad, (gb @ w.detach().bfloat16().t()).float())
+    assert torch.equal(w.grad, (x.detach().bfloat16().t() @ gb).float())
+    x2, w2 = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    (tile_mm(x2, w2, 16) * gy).sum().backward()
+    assert torch.equal(x2.grad, gy @ w.detach().t()) and not torch.equal(x2.grad, x.grad)
+
+
 def test_tile_mm_refuses_other_dtypes_and_shapes():
     with pytest.raises(ValueError, match="float32 x and w, got torch.bfloat16"):
         tile_mm(torch.zeros(2, 3, dtype=torch.bfloat16), torch.zeros(3, 4), 16)
@@ -95,6 +123,10 @@ def test_tile_mm_refuses_other_dtypes_and_shapes():
         tile_mm(torch.zeros(2, 3), torch.zeros(4, 4), 16)
     with pytest.raises(ValueError, match="tiles must be >= 1, got row_tile=0"):
         tile_mm(torch.zeros(2, 3), torch.zeros(3, 4), 0)
+    with pytest.raises(ValueError, match="CPU tensors, got x on meta"):
+        tile_mm(torch.zeros(2, 3, device="meta"), torch.zeros(3, 4, device="meta"), 16)
+    with pytest.raises(ValueError, match="grad_dtype must be torch.bfloat16 or torch.float32, got torch.float16"):
+        tile_mm(torch.zeros(2, 3), torch.zeros(3, 4), 16, grad_dtype=torch.float16)
 
 
 def test_tile_mm_gradient_is_the_matmul_gradient():

@@ -3,7 +3,10 @@ compiler into a cache folder, loaded with ``ctypes``.
 
 The flags are part of a kernel's bits and are recorded in the contract by the kernel that uses them:
 ``-O3 -march=native`` (vector width may differ between machines; the kernels are written so that it
-cannot change a result), ``-ffp-contract=off`` (no fused multiply-add), no ``-ffast-math``.
+cannot change a result), ``-ffp-contract=off`` (the compiler fuses no multiply and add; a kernel's
+fused multiply-adds are its explicit ``fmaf`` calls, one correctly rounded operation each), no
+``-ffast-math``. Libraries are cached per source, flags, compiler version and CPU (``-march=native``
+code must not run on another CPU).
 """
 
 from __future__ import annotations
@@ -19,6 +22,28 @@ from pathlib import Path
 
 CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fPIC", "-shared", "-std=c11")
 """Compiler flags of every C kernel (bit-relevant: recorded in the contract)."""
+
+
+LDLIBS = ("-lm",)
+"""Libraries linked into every C kernel (libm for ``fmaf``, ``expf``; linking moves no bit)."""
+
+
+def _compiler_id(cc: str) -> str:
+    """The compiler's path and first ``--version`` line."""
+    r = subprocess.run([cc, "--version"], capture_output=True, text=True)
+    return f"{cc} {r.stdout.splitlines()[0] if r.stdout else ''}"
+
+
+def _cpu_id() -> str:
+    """This CPU's model and feature flags (what ``-march=native`` compiles for), from /proc/cpuinfo."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        import platform
+
+        return platform.processor() or platform.machine()
+    keep = [line for line in info.splitlines() if line.startswith(("model name", "flags", "cpu family", "model\t"))]
+    return "\n".join(dict.fromkeys(keep))  # the first CPU's lines (all CPUs repeat them)
 
 
 def cache_dir() -> Path:
@@ -39,13 +64,13 @@ def load_c_kernel(source: str) -> ctypes.CDLL:
     cc = shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         raise RuntimeError("no C compiler on PATH (looked for cc, gcc): the isoexec CPU kernels need one")
-    key = hashlib.sha256(code + " ".join(CFLAGS).encode() + cc.encode()).hexdigest()[:16]
+    key = hashlib.sha256(code + " ".join(CFLAGS).encode() + _compiler_id(cc).encode() + _cpu_id().encode()).hexdigest()[:16]
     lib = cache_dir() / f"{src.stem}-{key}.so"
     if not lib.exists():
         lib.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
             out = Path(tmp) / lib.name
-            r = subprocess.run([cc, *CFLAGS, str(src), "-o", str(out)], capture_output=True, text=True)
+            r = subprocess.run([cc, *CFLAGS, str(src), "-o", str(out), *LDLIBS], capture_output=True, text=True)
             if r.returncode != 0:
                 raise RuntimeError(f"compiling {src.name} with {cc} failed:\n{r.stderr}")
             os.replace(out, lib)  # atomic: concurrent builders leave one complete library

@@ -1,4 +1,4 @@
-"""Batch-invariant CPU building blocks: fixed-shape GEMM tiles, fixed-tree reductions and
+"""Batch-invariant CPU building blocks: the GEMM (one FMA chain per output), fixed-tree reductions and
 elementwise transcendental functions whose bits do not depend on a value's position in a tensor.
 
 Why these exist (measured on the project's CPUs, see ``tests/test_kernels_primitives.py``):

@@ -35,7 +35,7 @@ GEMM_REGIONS = ("attn.qkv_proj", "attn.out_proj", "gdn.in_proj", "gdn.out_proj")
 ROW_PARALLEL_REGIONS = ("attn.out_proj", "gdn.out_proj")
 """Projections whose K is sharded under TP (Megatron's ``RowParallelLinear``): pik leaf GEMMs."""
 COLUMN_PARALLEL_REGIONS = ("attn.qkv_proj", "gdn.in_proj")
-"""Projections whose output features are sharded under TP (``ColumnParallelLinear``): column tiles on CPU."""
+"""Projections whose output features are sharded under TP (``ColumnParallelLinear``): column-invariant GEMMs on CPU."""
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

@@ -9,8 +9,8 @@ equal across TP/EP/SP layouts with pik; native differs). This module is the refe
 The rule, per parallel dimension:
 
 * **Row-parallel linear (TP, K sharded)**: K is split into ``leaves`` (G, default 8) fixed contiguous
-  leaves by *global* K index. Each leaf's partial product is one fixed-shape GEMM
-  (:func:`~isoexec.kernels.primitives.tile_mm`, fp32 accumulation) that does not depend on TP. The G
+  leaves by *global* K index. Each leaf's partial product is one FMA chain over the leaf's features
+  per output (:func:`~isoexec.kernels.primitives.tile_mm`, fp32), which does not depend on TP. The G
   leaf partials are combined by one fixed binary tree that pairs adjacent nodes
   (``((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7))``). TP rank ``r`` owns the whole subtree of leaves
   ``[r*G/tp, (r+1)*G/tp)`` and reduces it locally in that order; the collective only moves the
@@ -139,7 +139,7 @@ def pik_row_parallel_partial(
         w_shard: ``[M, K/tp]`` the same slice of the weight, Hugging Face ``nn.Linear`` layout.
         tp: the TP degree (a power of two dividing ``leaves``).
         leaves: G, fixed leaves over the global K (contract constant; default 8).
-        row_tile: rows per GEMM tile (contract constant ``row_tile``).
+        row_tile: rows per cache tile of the GEMM (contract constant ``row_tile``; moves no bit).
 
     Returns:
         ``[N, M]`` fp32: the sum of the rank's ``leaves/tp`` leaf partials in fixed tree order
@@ -232,7 +232,7 @@ def pik_row_parallel_linear(
         x_shard: ``[N, K/tp]`` (bf16 or fp32). w_shard: ``[M, K/tp]`` (HF ``nn.Linear`` layout).
         group: TP process group (None: default group, or a single process = TP 1).
         leaves: G, fixed contiguous leaves over the global K (power of two; default 8, DESIGN §3).
-        row_tile: rows per GEMM tile (contract constant).
+        row_tile: rows per cache tile of the GEMM (contract constant; moves no bit).
         out_dtype: output dtype; default ``x_shard.dtype`` (``torch.float32`` keeps the accumulator).
         sequence_parallel: return only this rank's rows ``[r*N/tp, (r+1)*N/tp)`` (reduce-scatter).
 

@@ -38,7 +38,7 @@ def iso_linear(x: torch.Tensor, w: torch.Tensor, row_tile: int, col_tile: int,
     Returns:
         ``[N, M]`` in ``out_dtype``. Differentiable.
     """
-    wt = w.t().to(torch.float32, memory_format=torch.contiguous_format)  # [K, M], one copy
+    wt = w.t().to(torch.float32, memory_format=torch.contiguous_format)  # [K, M] with contiguous columns
     return tile_mm(x.float(), wt, row_tile, col_tile, grad_dtype_of(x)).to(out_dtype or x.dtype)
 
 
@@ -49,7 +49,7 @@ def iso_row_linear(x: torch.Tensor, w: torch.Tensor, row_tile: int, leaves: int,
     dividing ``leaves``.
 
     Args:
-        x: ``[N, K]``. w: ``[M, K]``. row_tile: rows per GEMM tile. leaves: fixed leaves over K (a
+        x: ``[N, K]``. w: ``[M, K]``. row_tile: rows per cache tile (moves no bit). leaves: fixed leaves over K (a
             power of two dividing K). out_dtype: default ``x.dtype``.
 
     Returns:

@@ -31,19 +31,24 @@ def fma_gemm(x: torch.Tensor, w: torch.Tensor, row_tile: int, col_tile: int | No
     Args:
         x: ``[N, K]`` float32 (any N >= 0; a column stride other than 1 is copied).
         w: ``[K, M]`` float32 (copied contiguous if its columns are not).
-        row_tile: rows per cache block (contract constant ``row_tile``; moves no bit).
-        col_tile: columns per cache block (contract constant ``col_tile``; moves no bit); None: all M.
+        row_tile: rows per cache block (contract constant ``row_tile``, rounded up to a multiple of 4;
+            moves no bit).
+        col_tile: columns per cache block (contract constant ``col_tile``, rounded up to a multiple of
+            64; moves no bit); None: all M.
         leaves: L, contiguous leaves over K (a power of two dividing K; 1: one chain over all of K).
 
     Returns:
         ``[N, M]`` float32; element (i, j) depends only on ``x[i]`` and ``w[:, j]``.
 
     Raises:
-        ValueError: a dtype other than float32, non-2-D inputs, mismatched K, a tile < 1, or ``leaves``
-            not a power of two dividing K.
+        MemoryError: the leaves' scratch (``leaves`` x 1 KB) cannot be allocated.
+        ValueError: a dtype other than float32, a tensor not on the CPU, non-2-D inputs, mismatched K,
+            a tile < 1, or ``leaves`` not a power of two dividing K.
     """
     if x.dtype != torch.float32 or w.dtype != torch.float32:
         raise ValueError(f"fma_gemm takes float32 x and w, got {x.dtype} and {w.dtype}")
+    if x.device.type != "cpu" or w.device.type != "cpu":
+        raise ValueError(f"fma_gemm runs on CPU tensors, got x on {x.device} and w on {w.device}")
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[0]:
         raise ValueError(f"fma_gemm needs x [N, K] and w [K, M], got {tuple(x.shape)} and {tuple(w.shape)}")
     n, k = x.shape
@@ -59,6 +64,7 @@ def fma_gemm(x: torch.Tensor, w: torch.Tensor, row_tile: int, col_tile: int | No
     if n and m:
         p = lambda t: ctypes.c_void_p(t.data_ptr())  # noqa: E731
         i = ctypes.c_int64
-        _lib().isoexec_fma_gemm(p(x), p(w), p(y), i(n), i(k), i(m), i(x.stride(0)), i(w.stride(0)), i(m),
-                                i(row_tile), i(col_tile), i(leaves))
+        if _lib().isoexec_fma_gemm(p(x), p(w), p(y), i(n), i(k), i(m), i(x.stride(0)), i(w.stride(0)), i(m),
+                                   i(row_tile), i(col_tile), i(leaves)):
+            raise MemoryError(f"fma_gemm: no memory for the scratch of {leaves} leaves")
     return y

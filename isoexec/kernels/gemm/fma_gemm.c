@@ -15,26 +15,30 @@
  * ((p0 + p1) + (p2 + p3)) + ..., one IEEE fp32 addition per node (exactly pik_tree_combine).
  *
  * Speed: a cache block of row_tile rows x col_tile columns (runtime launch constants, the contract's
- * row_tile and col_tile; they move no bit) is computed by register micro-tiles of MR rows x NR
- * columns (MR * NR fp32 accumulators live across the k loop, NR consecutive columns of w loaded
- * once per k and shared by MR rows); edge tiles run the same chain one row at a time.
+ * row_tile and col_tile, rounded up to whole micro-tiles; they move no bit) is computed by register
+ * micro-tiles of MR rows x NR columns (MR * NR fp32 accumulators live across the k loop, NR
+ * consecutive columns of w loaded once per k and shared by MR rows); edge tiles run the same chain
+ * one row at a time.
  *
  * Layout (K divisible by L, checked by the caller): x [N, K] with row stride ldx, w [K, M] with row stride ldw (columns contiguous), y [N, M]
  * with row stride ldy; all fp32.
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #define MR 4
 #define NR 64
 
-/* the adjacent-pairs tree over L partial tiles of n floats each, spaced by stride; the sum lands in t[0] */
-static void tree_sum(float *restrict t, int64_t L, int64_t n, int64_t stride) {
+/* the adjacent-pairs tree over L partial tiles (rows x cols of each, row stride NR, tiles MR * NR
+   apart); the sum lands in tile 0 */
+static void tree_sum(float *restrict t, int64_t L, int64_t rows, int64_t cols) {
     for (int64_t s = 1; s < L; s *= 2)
         for (int64_t i = 0; i + s < L; i += 2 * s) {
-            float *restrict a = t + i * stride;
-            const float *restrict b = t + (i + s) * stride;
-            for (int64_t e = 0; e < n; ++e) a[e] = a[e] + b[e];
+            float *restrict a = t + i * MR * NR;
+            const float *restrict b = t + (i + s) * MR * NR;
+            for (int64_t r = 0; r < rows; ++r)
+                for (int64_t c = 0; c < cols; ++c) a[r * NR + c] = a[r * NR + c] + b[r * NR + c];
         }
 }
 
@@ -68,17 +72,21 @@ static void micro_edge(const float *restrict x, int64_t ldx, const float *restri
     }
 }
 
-void isoexec_fma_gemm(const float *restrict x, const float *restrict w, float *restrict y, int64_t N, int64_t K,
-                      int64_t M, int64_t ldx, int64_t ldw, int64_t ldy, int64_t row_tile, int64_t col_tile,
-                      int64_t L) {
+/* Returns 0, or 1 when the leaves' scratch (L * MR * NR floats) cannot be allocated. */
+int isoexec_fma_gemm(const float *restrict x, const float *restrict w, float *restrict y, int64_t N, int64_t K,
+                     int64_t M, int64_t ldx, int64_t ldw, int64_t ldy, int64_t row_tile, int64_t col_tile,
+                     int64_t L) {
     /* L == 1: chains straight into y. L > 1: leaf l's micro-tile goes to scratch tile l (MR x NR
-       floats), then the tree over the L scratch tiles writes y. */
+       floats), then the tree over the L scratch tiles writes y. Cache tiles are rounded up to whole
+       micro-tiles, so that a small row_tile / col_tile never forces the one-row edge path. */
     const int64_t W = K / L;
-    float scratch[L > 1 ? L * MR * NR : 1];
-    for (int64_t j0 = 0; j0 < M; j0 += col_tile) {
-        const int64_t j1 = j0 + col_tile < M ? j0 + col_tile : M;
-        for (int64_t i0 = 0; i0 < N; i0 += row_tile) {
-            const int64_t i1 = i0 + row_tile < N ? i0 + row_tile : N;
+    const int64_t ct = (col_tile + NR - 1) / NR * NR, rt = (row_tile + MR - 1) / MR * MR;
+    float *scratch = NULL;
+    if (L > 1 && !(scratch = malloc((size_t)(L * MR * NR) * sizeof(float)))) return 1;
+    for (int64_t j0 = 0; j0 < M; j0 += ct) {
+        const int64_t j1 = j0 + ct < M ? j0 + ct : M;
+        for (int64_t i0 = 0; i0 < N; i0 += rt) {
+            const int64_t i1 = i0 + rt < N ? i0 + rt : N;
             for (int64_t j = j0; j < j1; j += NR) {
                 const int64_t cols = j1 - j < NR ? j1 - j : NR;
                 for (int64_t i = i0; i < i1; i += MR) {
@@ -94,11 +102,13 @@ void isoexec_fma_gemm(const float *restrict x, const float *restrict w, float *r
                         if (rows == MR && cols == NR) micro_full(xl, ldx, wl, ldw, tl, NR, W);
                         else micro_edge(xl, ldx, wl, ldw, tl, NR, W, rows, cols);
                     }
-                    tree_sum(scratch, L, MR * NR, MR * NR);
+                    tree_sum(scratch, L, rows, cols);
                     for (int64_t r = 0; r < rows; ++r)
                         for (int64_t c = 0; c < cols; ++c) y[(i + r) * ldy + j + c] = scratch[r * NR + c];
                 }
             }
         }
     }
+    free(scratch);
+    return 0;
 }

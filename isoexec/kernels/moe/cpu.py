@@ -2,7 +2,7 @@
 ``mlp.shared_expert``, ``moe.combine``), as in transformers' ``Qwen3NextSparseMoeBlock``: softmax
 router, top-k, optional renormalisation, SwiGLU experts, sigmoid-gated shared expert.
 
-Router, ``gate_proj`` and ``up_proj`` GEMMs are column-tiled (:func:`~isoexec.kernels.gemm.cpu.iso_linear`),
+Router, ``gate_proj`` and ``up_proj`` GEMMs are column-invariant (:func:`~isoexec.kernels.gemm.cpu.iso_linear`),
 ``down_proj`` is the pik leaf GEMM (:func:`iso_swiglu_partial`, the same function a tensor-parallel
 trainer runs on its intermediate shard), routing is :func:`~isoexec.kernels.moe.routing.iso_route`,
 expert outputs are kept per (token, routing rank) in fp32 and summed in routing order, then the gated
@@ -42,14 +42,14 @@ def iso_swiglu_partial(x, wg, wu, wd, tp: int, row_tile: int, col_tile: int, lea
         with :func:`~isoexec.kernels.collectives.pik.pik_tree_combine` in rank order gives the bits
         of ``tp=1``.
     """
-    # gate and up in one column-tiled GEMM: a column's bits do not depend on its neighbours (iso_linear)
+    # gate and up in one GEMM: a column's bits do not depend on its neighbours (iso_linear)
     g, u = iso_linear(x, torch.cat([wg, wu]), row_tile, col_tile).split([wg.shape[0], wu.shape[0]], dim=1)
     h = (silu(g.float()) * u.float()).to(x.dtype)
     return pik_row_parallel_partial(h, wd, tp, leaves, row_tile)
 
 
 def iso_swiglu(x, wg, wu, wd, row_tile: int, col_tile: int, leaves: int) -> torch.Tensor:
-    """SwiGLU MLP with column-tiled ``gate``/``up`` and the pik ``down`` (:func:`iso_swiglu_partial` at
+    """SwiGLU MLP with column-invariant ``gate``/``up`` and the pik ``down`` (:func:`iso_swiglu_partial` at
     ``tp=1``). Returns ``[N, H]`` in ``x.dtype``."""
     return iso_swiglu_partial(x, wg, wu, wd, 1, row_tile, col_tile, leaves).to(x.dtype)
 

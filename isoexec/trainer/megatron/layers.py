@@ -6,8 +6,8 @@ calls into a :class:`~isoexec.kernels.KernelSet`, with the same operation order 
 (:mod:`isoexec.model.qwen3_next`), so that a token's bits do not depend on TP, EP or SP:
 
 * :class:`IsoColumnParallelLinear` (``attn.qkv_proj``, ``gdn.in_proj``, ``lm_head``): the region's
-  kernel on the rank's output features; its fixed column tiles give a column the same bits whichever
-  shard (and position in it) holds it. Inputs gathered over the sequence (SP) or copied (TP) with
+  kernel on the rank's output features; its GEMM computes each column by its own FMA chain, so a column
+  has the same bits whichever shard (and position in it) holds it. Inputs gathered over the sequence (SP) or copied (TP) with
   Megatron's mappings; no arithmetic in the collective.
 * :class:`IsoRowParallelLinear` (``attn.out_proj``, ``gdn.out_proj``): pik (DESIGN §3): the rank's
   subtree of the region's ``leaves`` fixed leaves over the global K, then the upper tree levels after
@@ -15,7 +15,7 @@ calls into a :class:`~isoexec.kernels.KernelSet`, with the same operation order 
 * :class:`IsoCoreAttention`, :class:`IsoSelfAttention`: RoPE, our blockwise attention per sequence,
   the sigmoid gate.
 * :class:`IsoGatedDeltaNet`: conv1d, gating, l2norm, CPR GDN per sequence, gated norm.
-* :class:`IsoMoELayer`: the deterministic router, expert SwiGLUs (column tiles, pik down projection
+* :class:`IsoMoELayer`: the deterministic router, expert SwiGLUs (column-invariant gate/up, pik down projection
   over the expert-TP ranks), expert outputs moved (never summed) between ranks and summed per token
   in routing order in fp32, the gated shared expert (pik over TP). The experts' and shared expert's
   ``linear_fc1`` / ``linear_fc2`` slots keep Megatron's modules as weight holders (same names and

@@ -14,7 +14,7 @@ Kernel sets fill the same slots with modules of the same parameter names, so one
   all-reduce / reduce-scatter, ``DotProductAttention``, its MoE router, all-gather token dispatcher
   and ``SequentialMLP`` experts, its torch GDN), plus the :class:`GatedSelfAttention` fix and our
   :class:`~isoexec.trainer.megatron.norms.RMSNorm`.
-* ``isoexec``: :mod:`isoexec.trainer.megatron.layers` (pik row-parallel GEMMs, column tiles, our
+* ``isoexec``: :mod:`isoexec.trainer.megatron.layers` (pik row-parallel GEMMs, column-invariant GEMMs, our
   attention, CPR GDN, routing-order MoE, blocked logprob) calling a :class:`~isoexec.kernels.KernelSet`.
 """
 
