@@ -28,12 +28,14 @@ LDLIBS = ("-lm",)
 """Libraries linked into every C kernel (libm for ``fmaf``, ``expf``; linking moves no bit)."""
 
 
+@cache
 def _compiler_id(cc: str) -> str:
     """The compiler's path and first ``--version`` line."""
     r = subprocess.run([cc, "--version"], capture_output=True, text=True)
     return f"{cc} {r.stdout.splitlines()[0] if r.stdout else ''}"
 
 
+@cache
 def _cpu_id() -> str:
     """This CPU's model and feature flags (what ``-march=native`` compiles for), from /proc/cpuinfo."""
     try:
@@ -64,7 +66,8 @@ def load_c_kernel(source: str) -> ctypes.CDLL:
     cc = shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         raise RuntimeError("no C compiler on PATH (looked for cc, gcc): the isoexec CPU kernels need one")
-    key = hashlib.sha256(code + " ".join(CFLAGS).encode() + _compiler_id(cc).encode() + _cpu_id().encode()).hexdigest()[:16]
+    ident = " ".join(CFLAGS) + _compiler_id(cc) + _cpu_id()
+    key = hashlib.sha256(code + ident.encode()).hexdigest()[:16]
     lib = cache_dir() / f"{src.stem}-{key}.so"
     if not lib.exists():
         lib.parent.mkdir(parents=True, exist_ok=True)

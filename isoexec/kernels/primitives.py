@@ -43,12 +43,6 @@ class _TileMM(torch.autograd.Function):
         return gx, gw, None, None, None, None
 
 
-def grad_dtype_of(x: torch.Tensor) -> torch.dtype:
-    """The backward matmuls' dtype for a GEMM whose activations come in as ``x``: bf16 for bf16
-    activations (as a native bf16 trainer), else fp32."""
-    return torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
-
-
 def tile_mm(x: torch.Tensor, w: torch.Tensor, row_tile: int, col_tile: int | None = None,
             grad_dtype: torch.dtype = torch.float32, leaves: int = 1) -> torch.Tensor:
     """Batch- and column-invariant ``x @ w`` in fp32 (the isoexec CPU GEMM).
@@ -63,7 +57,7 @@ def tile_mm(x: torch.Tensor, w: torch.Tensor, row_tile: int, col_tile: int | Non
         w: ``[K, M]`` float32, the same tensor for every row.
         row_tile, col_tile: cache tiles (contract constants); ``col_tile`` None: all M columns.
         grad_dtype: dtype of the backward matmuls: ``torch.bfloat16`` where x and w hold bf16 values
-            (the model's boundary dtype, :func:`grad_dtype_of`), else ``torch.float32``.
+            (the model's boundary dtype, :func:`tile_linear`), else ``torch.float32``.
         leaves: pik leaves over K (a power of two dividing K; 1: one chain over all of K).
 
     Returns:
@@ -81,6 +75,24 @@ def tile_mm(x: torch.Tensor, w: torch.Tensor, row_tile: int, col_tile: int | Non
     if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
         return _TileMM.apply(x, w, row_tile, col_tile, grad_dtype, leaves)
     return fma_gemm(x, w, row_tile, col_tile, leaves)
+
+
+def tile_linear(x: torch.Tensor, w: torch.Tensor, row_tile: int, col_tile: int | None = None,
+                leaves: int = 1) -> torch.Tensor:
+    """``x @ w.T`` for a weight in the Hugging Face ``nn.Linear`` layout, by :func:`tile_mm` (the one
+    place that casts both to fp32, lays the weight out ``[K, M]`` and picks the backward's dtype:
+    bf16 for bf16 activations, as a native bf16 trainer, else fp32).
+
+    Args:
+        x: ``[N, K]`` (bf16 or fp32). w: ``[M, K]``.
+        row_tile, col_tile, leaves: as in :func:`tile_mm`.
+
+    Returns:
+        ``[N, M]`` float32 (the accumulator; the caller rounds to its boundary dtype). Differentiable.
+    """
+    wt = w.t().to(torch.float32, memory_format=torch.contiguous_format)  # [K, M]; tile_mm copies an fp32 view
+    grad_dtype = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
+    return tile_mm(x.float(), wt, row_tile, col_tile, grad_dtype, leaves)
 
 
 def tree_sum(x: torch.Tensor, dim: int = -1, keepdim: bool = False) -> torch.Tensor:

@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 from isoexec.kernels.moe.routing import routing_order_sum
-from isoexec.kernels.primitives import grad_dtype_of, tile_mm
+from isoexec.kernels.primitives import tile_linear
 
 __all__ = [
     "native_expert_parallel_combine",
@@ -162,8 +162,7 @@ def pik_row_parallel_partial(
             f"local K={k_local} is not divisible by leaves/tp={per_rank} (leaves={leaves}, tp={tp}); "
             f"the global K must be divisible by leaves"
         )
-    wt = w_shard.t().to(torch.float32, memory_format=torch.contiguous_format)  # [K/tp, M]
-    return tile_mm(x_shard.float(), wt, row_tile, None, grad_dtype_of(x_shard), leaves=per_rank)
+    return tile_linear(x_shard, w_shard, row_tile, leaves=per_rank)
 
 
 def pik_all_reduce(partial: torch.Tensor, group=None) -> torch.Tensor:
@@ -305,8 +304,7 @@ def pik_column_linear(
     m = w.shape[0]
     if col_tile < 1 or m % col_tile != 0:
         raise ValueError(f"output features M={m} are not divisible by col_tile={col_tile}")
-    wt = w.t().to(torch.float32, memory_format=torch.contiguous_format)
-    return tile_mm(x.float(), wt, row_tile, col_tile, grad_dtype_of(x)).to(out_dtype or x.dtype)
+    return tile_linear(x, w, row_tile, col_tile).to(out_dtype or x.dtype)
 
 
 def pik_column_parallel_linear(

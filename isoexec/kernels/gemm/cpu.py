@@ -17,12 +17,12 @@ from __future__ import annotations
 import torch
 
 from isoexec.kernels.collectives.pik import pik_row_parallel_partial
-from isoexec.kernels.primitives import grad_dtype_of, tile_mm
+from isoexec.kernels.primitives import tile_linear
 
 
 def iso_linear(x: torch.Tensor, w: torch.Tensor, row_tile: int, col_tile: int,
                out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """``x @ w.T`` with fp32 accumulation, one FMA chain over K per output (:func:`tile_mm`).
+    """``x @ w.T`` with fp32 accumulation, one FMA chain over K per output (:func:`tile_linear`).
 
     Batch-invariant (a row's bits do not depend on the other rows) and column-invariant (a column's
     bits do not depend on which other output features are computed with it).
@@ -38,8 +38,7 @@ def iso_linear(x: torch.Tensor, w: torch.Tensor, row_tile: int, col_tile: int,
     Returns:
         ``[N, M]`` in ``out_dtype``. Differentiable.
     """
-    wt = w.t().to(torch.float32, memory_format=torch.contiguous_format)  # [K, M] with contiguous columns
-    return tile_mm(x.float(), wt, row_tile, col_tile, grad_dtype_of(x)).to(out_dtype or x.dtype)
+    return tile_linear(x, w, row_tile, col_tile).to(out_dtype or x.dtype)
 
 
 def iso_row_linear(x: torch.Tensor, w: torch.Tensor, row_tile: int, leaves: int,
