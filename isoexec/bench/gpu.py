@@ -39,6 +39,24 @@ def _bench(fn, warmup=25, rep=100) -> float:
     return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
 
 
+def _device_ms(fn, reps: int = 20) -> float:
+    """Milliseconds of GPU kernel time per call of ``fn``: the device time of every kernel and copy it
+    launches (torch.profiler), summed, over ``reps`` calls after a warm-up. Unlike :func:`_bench`'s
+    event-timed wall time it does not follow the host's speed, so calls that are host-bound (a list of
+    per-sequence tensors packed in Python) compare by what they cost the GPU."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    total_us = sum(getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0)
+                   for e in prof.key_averages())
+    return total_us / 1e3 / reps
+
+
 def _bench_graph(fns, rounds: int = 2) -> float:
     """Milliseconds per call of the calls ``fns`` (run in turn, ``rounds`` times) replayed from one CUDA
     graph: the GPU time of launch-bound calls, as an engine that captures its decode step sees them.
@@ -113,8 +131,10 @@ def kernel_table(cfg, ceil: dict, log=print, extra_models=()) -> list[dict]:
 
     def add(kernel, shape, iso_fn, nat_fn, flops=0.0, bytes_=0.0, native="", note=""):
         t_iso, t_nat = _bench(iso_fn), _bench(nat_fn)
+        d_iso, d_nat = _device_ms(iso_fn), _device_ms(nat_fn)
         r = {"kernel": kernel, "shape": shape, "native": native, "isoexec_ms": t_iso, "native_ms": t_nat,
-             "time_ratio_isoexec_over_native": t_iso / t_nat}
+             "time_ratio_isoexec_over_native": t_iso / t_nat, "isoexec_device_ms": d_iso, "native_device_ms": d_nat,
+             "device_time_ratio_isoexec_over_native": d_iso / d_nat}
         if flops:
             r["isoexec_tflops"] = flops / t_iso / 1e9
             r["isoexec_frac_gemm_ceiling"] = flops / t_iso / 1e9 / gemm_peak
@@ -125,7 +145,8 @@ def kernel_table(cfg, ceil: dict, log=print, extra_models=()) -> list[dict]:
             r["native_frac_copy_ceiling"] = bytes_ / t_nat / 1e9 / bw
         r["note"] = note
         rows.append(r)
-        log(f"{kernel:28s} {shape:32s} iso {t_iso:8.4f} ms  native {t_nat:8.4f} ms  ratio {t_iso / t_nat:5.2f}")
+        log(f"{kernel:28s} {shape:32s} iso {t_iso:8.4f} ms  native {t_nat:8.4f} ms  ratio {t_iso / t_nat:5.2f}  "
+            f"device ratio {d_iso / d_nat:5.2f}")
 
     key_dim, value_dim = m.linear_num_key_heads * m.linear_key_head_dim, m.linear_num_value_heads * m.linear_value_head_dim
     G = cfg.kernels.leaves
