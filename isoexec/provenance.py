@@ -17,6 +17,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from isoexec.allocator import allocator
+
 PACKAGES = (
     "isoexec",
     "torch",
@@ -134,7 +136,8 @@ def provenance(command: str | None = None) -> dict[str, Any]:
 
     Returns:
         ``{"git": {"commit", "dirty"}, "hostname", "machine", "platform", "cpu", "cpu_isa", "device",
-        "python", "packages": {name: version or None}, "command", "date_utc"}``.
+        "allocator", "python", "packages": {name: version or None}, "command", "date_utc"}``
+        (``allocator``: :func:`isoexec.allocator.allocator`, the preloaded tcmalloc or "glibc").
     """
     return {
         "git": git_info(),
@@ -144,6 +147,7 @@ def provenance(command: str | None = None) -> dict[str, Any]:
         "cpu": cpu_model(),
         "cpu_isa": cpu_isa(),
         "device": device(),
+        "allocator": allocator(),
         "python": platform.python_version(),
         "packages": package_versions(),
         "command": command if command is not None else shlex.join(sys.argv),

@@ -1,5 +1,6 @@
 """CPR Gated DeltaNet and blockwise attention: correctness against references, bitwise across cases."""
 
+import pytest
 import torch
 
 from isoexec.config import KernelSection
@@ -43,6 +44,40 @@ def test_cpr_decode_matches_trainer_across_chunk_boundaries():
     o, _ = cpr_gdn(*x, [n], [None], C, keep_state=False)
     dec, _ = _decode(lambda *a: cpr_gdn(*a, C), x, n)
     assert torch.equal(dec, o)
+
+
+def test_cpr_decode_advances_its_own_running_state_in_place_with_the_same_bits():
+    """Decode updates a running state the sequence owns in place (no fresh state per step); the bits are
+    those of the out-of-place scan, and a consumed state is refused rather than silently re-advanced."""
+    n = 2 * C + 5
+    x = _inputs(n)
+    o, _ = cpr_gdn(*x, [n], [None], C, keep_state=False)
+    _, (st,) = cpr_gdn(*(a[: C + 2] for a in x), [C + 2], [None], C)
+    assert st.owns_running and st.running.data_ptr() != st.entry.data_ptr()
+    buf, outs = st.running.data_ptr(), []
+    for t in range(C + 2, 2 * C - 1):
+        prev = st
+        ot, (st,) = cpr_gdn(*(a[t : t + 1] for a in x), [1], [st], C)
+        assert st.running.data_ptr() == buf  # in place
+        outs.append(ot)
+    assert torch.equal(torch.cat(outs), o[C + 2 : 2 * C - 1])
+    with pytest.raises(ValueError, match="second time"):
+        cpr_gdn(*(a[:1] for a in x), [1], [prev], C)
+
+
+def test_cpr_scan_in_place_equals_out_of_place():
+    from isoexec.kernels.gdn.cpu import _scan
+
+    x = _inputs(11)
+    g = torch.Generator().manual_seed(3)
+    starts = [torch.randn(H, DK, DV, generator=g) for _ in range(3)]
+    segs = [(0, 4), (4, 1), (5, 6)]
+    fresh = [torch.empty(H, DK, DV) for _ in starts]
+    o1 = _scan(starts, fresh, *x, segs)
+    own = [s.clone() for s in starts]
+    o2 = _scan(own, own, *x, segs)
+    assert torch.equal(o1, o2) and all(torch.equal(a, b) for a, b in zip(fresh, own))
+    assert not torch.equal(own[0], starts[0])  # the states did advance
 
 
 def test_native_gdn_decode_differs_from_its_chunked_prefill():

@@ -53,6 +53,41 @@ def test_elementwise_functions_are_position_invariant_where_torch_is_not():
         assert torch.allclose(ours(x), theirs(x), rtol=1e-6, atol=1e-6)
 
 
+def test_silu_without_autograd_has_the_bits_of_the_autograd_formula():
+    torch.manual_seed(1)
+    x = torch.randn(4099) * 6
+    y = silu(x)
+    xg = x.clone().requires_grad_(True)
+    yg = silu(xg)
+    yg.sum().backward()
+    assert torch.equal(y, yg.detach()) and xg.grad is not None
+
+
+def test_causal_conv1d_bits_per_position_whatever_the_pieces_and_autograd():
+    """Output t of a piece is the tap-ascending fp32 sum then SiLU, the same bits alone, in any batch of
+    pieces, with or without autograd (the no-autograd path reuses one temporary)."""
+    from isoexec.kernels.conv.cpu import iso_causal_conv1d
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(24, 4, generator=g).to(torch.bfloat16)
+    xs = [torch.randn(n, 24, generator=g).to(torch.bfloat16) for n in (1, 9, 3)]
+    pre = [torch.randn(3, 24, generator=g).to(torch.bfloat16) for _ in xs]
+    ys, tails = iso_causal_conv1d(xs, w, pre)
+    for x, p, y, tail in zip(xs, pre, ys, tails):
+        ext = torch.cat([p, x]).float()
+        ref = ext[0 : len(x)] * w.float()[:, 0]
+        for j in range(1, 4):
+            ref = ref + ext[j : j + len(x)] * w.float()[:, j]
+        assert torch.equal(y, silu(ref).to(torch.bfloat16)) and torch.equal(tail, ext[-3:].to(torch.bfloat16))
+        alone, _ = iso_causal_conv1d([x], w, [p])
+        assert torch.equal(alone[0], y)
+    xg = [x.float().requires_grad_(True) for x in xs]
+    yg, _ = iso_causal_conv1d(xg, w.float(), [p.float() for p in pre])
+    yf, _ = iso_causal_conv1d([x.float() for x in xs], w.float(), [p.float() for p in pre])
+    sum(y.sum() for y in yg).backward()
+    assert all(torch.equal(a.detach(), b) for a, b in zip(yg, yf)) and xg[0].grad is not None
+
+
 def test_tile_mm_column_bits_independent_of_position_neighbours_and_tiles():
     """Why a tensor-parallel rank's output features reproduce the full product's columns: in
     ``tile_mm`` a column's bits depend neither on its position, nor on the other columns, nor on the
@@ -167,3 +202,19 @@ def test_tile_mm_leaves_are_the_tree_of_the_leaf_chains_and_one_chain_is_not():
     assert torch.allclose(w.grad, x.detach().t() @ gy, atol=1e-5)
     with pytest.raises(ValueError, match="leaves=3 must be a power of two dividing K=64"):
         tile_mm(x.detach(), w.detach(), 16, leaves=3)
+
+
+def test_tile_linear_reuses_a_weight_conversion_only_while_the_weight_is_unchanged():
+    from isoexec.kernels.primitives import tile_linear
+
+    torch.manual_seed(2)
+    w = torch.nn.Parameter(torch.randn(12, 8).to(torch.bfloat16), requires_grad=False)
+    x = torch.randn(5, 8).to(torch.bfloat16)
+    y0 = tile_linear(x, w, 4)
+    assert torch.equal(tile_linear(x, w, 4), y0)  # reused conversion, same bits
+    with torch.no_grad():
+        w.copy_(torch.randn(12, 8).to(torch.bfloat16))  # a weight sync: in place
+    ref = tile_linear(x, w.detach().clone(), 4)  # a fresh tensor: nothing cached
+    assert torch.equal(tile_linear(x, w, 4), ref) and not torch.equal(ref, y0)
+    w.data = torch.randn(12, 8).to(torch.bfloat16)  # replaced storage
+    assert torch.equal(tile_linear(x, w, 4), tile_linear(x, w.detach().clone(), 4))

@@ -77,6 +77,28 @@ def tile_mm(x: torch.Tensor, w: torch.Tensor, row_tile: int, col_tile: int | Non
     return fma_gemm(x, w, row_tile, col_tile, leaves)
 
 
+def _fp32_kxm(w: torch.Tensor) -> torch.Tensor:
+    """``w.t()`` as a contiguous fp32 ``[K, M]`` tensor, the same values whichever way it is obtained.
+
+    Without autograd the converted copy is kept on ``w`` itself and reused while ``w`` holds the same
+    storage at the same version: an engine converts each weight once per weight sync instead of once per
+    step. Weights are written through the parameter (an in-place write such as a weight sync's or an
+    optimizer's ``copy_`` bumps its version counter) or replaced (``.data = ...``: new storage), and
+    either ends the reuse."""
+    if torch.is_grad_enabled() and w.requires_grad:
+        return w.t().to(torch.float32, memory_format=torch.contiguous_format)
+    try:
+        key = (w._version, w.data_ptr(), tuple(w.shape), w.stride(), w.dtype)
+    except RuntimeError:  # an inference-mode tensor has no version counter: nothing to key a cache on
+        return w.t().to(torch.float32, memory_format=torch.contiguous_format)
+    hit = getattr(w, "_isoexec_fp32_kxm", None)
+    if hit is not None and hit[0] == key:
+        return hit[1]
+    wt = w.t().to(torch.float32, memory_format=torch.contiguous_format)
+    w._isoexec_fp32_kxm = (key, wt)
+    return wt
+
+
 def tile_linear(x: torch.Tensor, w: torch.Tensor, row_tile: int, col_tile: int | None = None,
                 leaves: int = 1) -> torch.Tensor:
     """``x @ w.T`` for a weight in the Hugging Face ``nn.Linear`` layout, by :func:`tile_mm` (the one
@@ -90,7 +112,7 @@ def tile_linear(x: torch.Tensor, w: torch.Tensor, row_tile: int, col_tile: int |
     Returns:
         ``[N, M]`` float32 (the accumulator; the caller rounds to its boundary dtype). Differentiable.
     """
-    wt = w.t().to(torch.float32, memory_format=torch.contiguous_format)  # [K, M]; tile_mm copies an fp32 view
+    wt = _fp32_kxm(w)
     grad_dtype = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
     return tile_mm(x.float(), wt, row_tile, col_tile, grad_dtype, leaves)
 
@@ -122,8 +144,16 @@ def sigmoid(x: torch.Tensor) -> torch.Tensor:
 
 
 def silu(x: torch.Tensor) -> torch.Tensor:
-    """Position-invariant SiLU ``x / (1 + exp(-x))``."""
-    return x / (1.0 + torch.exp(-x))
+    """Position-invariant SiLU ``x / (1 + exp(-x))``.
+
+    Without autograd the four elementwise steps run in one temporary (the same IEEE operations on every
+    element, so the same bits; a large fresh temporary per step costs its page faults on CPU)."""
+    if torch.is_grad_enabled() and x.requires_grad:
+        return x / (1.0 + torch.exp(-x))
+    t = torch.neg(x)
+    torch.exp(t, out=t)
+    t.add_(1.0)
+    return torch.div(x, t, out=t)
 
 
 def softplus(x: torch.Tensor, threshold: float = 20.0) -> torch.Tensor:

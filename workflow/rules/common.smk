@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 import shutil
 
+from isoexec.allocator import with_tcmalloc
 from isoexec.cli import error_line
 from isoexec.config import load_config
 from isoexec.settings import RECORD, settings_conflict
@@ -100,6 +101,10 @@ NOTEBOOK = os.path.join(workflow.basedir, "notebooks", "analysis.ipynb")
 # side; the stages themselves compute on one torch thread (`isoexec ... --threads 1`, the default),
 # which was the stable choice on the shared 2-core machines.
 ALL_CORES = os.cpu_count() or 1
+
+# Every job allocates through tcmalloc where it is installed (vLLM's CPU setup; isoexec/allocator.py
+# says why): a preload acts when a process starts, so it is set here, once, for all jobs.
+os.environ.update(with_tcmalloc(dict(os.environ)))
 
 # The commands (isoexec, and python for papermill/nbconvert) come from the environment snakemake
 # runs in: put its bin folder first on PATH unless an `isoexec` is already there.

@@ -7,6 +7,12 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null || PY=python3
+# tcmalloc for every CPU stage (vLLM's CPU setup; isoexec/allocator.py says why): Debian's package where
+# this machine can install it (root with apt-get); without it the stages run on glibc's allocator.
+if ! ls /usr/lib/*/libtcmalloc_minimal.so.4 >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  (apt-get update -qq && apt-get install -y -qq libtcmalloc-minimal4) >/dev/null 2>&1 \
+    || echo "setup: could not install libtcmalloc-minimal4; the stages will use glibc's allocator"
+fi
 stamp=.venv/.isoexec-setup
 want=$(cat pyproject.toml workflow/scripts/setup.sh | sha256sum | cut -c1-16)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then

@@ -20,39 +20,54 @@
  * memory traffic changes.
  *
  * Layout: tokens [N, H, D] (row-major, fp32); segment s covers token rows row0[s] .. row0[s]+len[s]-1,
- * starts from the H states at src[s] ([H, DK, DV] contiguous, only read) and leaves its final states
- * in S[s*H + h]; o [N, H, DV] receives the outputs of those rows.
+ * starts from the H states at src[s] ([H, DK, DV] contiguous) and leaves its final states at dst[s]
+ * (the same layout); dst[s] == src[s] updates the states in place (a decode step advancing a sequence's
+ * running state: no copy, half the memory traffic), with the same operations on every element. Several
+ * segments may share one dst whose states nobody reads (segments are processed in order).
+ * o [N, H, DV] receives the outputs of those rows.
  */
 #include <stdint.h>
 #include <string.h>
 
-void isoexec_cpr_scan(float *restrict S, const float *const *src, const float *restrict q, const float *restrict k,
+void isoexec_cpr_scan(float *const *dst, const float *const *src, const float *restrict q, const float *restrict k,
                       const float *restrict v, const float *restrict decay, const float *restrict beta,
                       float *restrict o, const int64_t *row0, const int64_t *len, int64_t nseg, int64_t H,
                       int64_t DK, int64_t DV, float *restrict work) {
     float *restrict kv = work, *restrict u = work + DV, *restrict acc = work + 2 * DV;
     for (int64_t s = 0; s < nseg; ++s) {
         for (int64_t h = 0; h < H; ++h) {
-            float *restrict St = S + (s * H + h) * DK * DV;
-            const float *restrict S0 = src[s] + h * DK * DV;
+            float *restrict St = dst[s] + h * DK * DV;
+            const float *S0 = src[s] + h * DK * DV;  /* may be St itself (in place) */
             const int64_t t0 = row0[s], t1 = row0[s] + len[s];
             if (t1 <= t0) {
-                memcpy(St, S0, (size_t)(DK * DV) * sizeof(float));
+                if (St != S0) memcpy(St, S0, (size_t)(DK * DV) * sizeof(float));
                 continue;
             }
-            {   /* decay of the first token, from the start state */
+            {   /* decay of the first token, from the start state (the same operations in place or not) */
                 const int64_t r = t0 * H + h;
                 const float *restrict kt = k + r * DK;
                 const float d = decay[r];
                 for (int64_t j = 0; j < DV; ++j) kv[j] = 0.0f;
-                for (int64_t i = 0; i < DK; ++i) {
-                    const float *restrict Ai = S0 + i * DV;
-                    float *restrict Si = St + i * DV;
-                    const float ki = kt[i];
-                    for (int64_t j = 0; j < DV; ++j) {
-                        const float sij = Ai[j] * d;
-                        Si[j] = sij;
-                        kv[j] = kv[j] + ki * sij;
+                if (St == S0) {
+                    for (int64_t i = 0; i < DK; ++i) {
+                        float *restrict Si = St + i * DV;
+                        const float ki = kt[i];
+                        for (int64_t j = 0; j < DV; ++j) {
+                            const float sij = Si[j] * d;
+                            Si[j] = sij;
+                            kv[j] = kv[j] + ki * sij;
+                        }
+                    }
+                } else {
+                    for (int64_t i = 0; i < DK; ++i) {
+                        const float *restrict Ai = S0 + i * DV;
+                        float *restrict Si = St + i * DV;
+                        const float ki = kt[i];
+                        for (int64_t j = 0; j < DV; ++j) {
+                            const float sij = Ai[j] * d;
+                            Si[j] = sij;
+                            kv[j] = kv[j] + ki * sij;
+                        }
                     }
                 }
             }

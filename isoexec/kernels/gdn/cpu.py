@@ -39,17 +39,25 @@ from isoexec.kernels.primitives import sigmoid, softplus
 
 @dataclass
 class CPRState:
-    """Per-sequence CPR state of one GDN layer (all fp32). Immutable: a step returns a new state.
+    """Per-sequence CPR state of one GDN layer (all fp32).
+
+    A step consumes the states it is given and returns new ones: a decode step advances a running
+    state it owns in place (the Triton set's pool slots work the same way), so a state passed to
+    :func:`cpr_gdn` must not be passed again (refused with ``ValueError``).
 
     Attributes:
         chunk_size: the chunk size C that built this state (a state refuses to continue under another C).
-        entry: ``[H, Dk, Dv]`` state entering the open chunk (output of the state pass).
+        entry: ``[H, Dk, Dv]`` state entering the open chunk (output of the state pass; never written).
         running: ``[H, Dk, Dv]`` state after the last consumed token.
         pending: the raw inputs of the open chunk, as the pieces they arrived in: each
             ``(rows, a, b)``, rows ``a:b`` of a step's packed ``[N, H*Dk + H*Dv + 2H]`` inputs
             (k | v | g | beta); ``n_open`` tokens in all (consumed tokens mod C). Kept as references
             so that a decode step appends without copying.
         n_open: tokens in the open chunk.
+        owns_running: ``running`` is this sequence's own buffer (written by the scan), not a view
+            shared with ``entry`` (after a resync) or with other states, so the next step may update
+            it in place.
+        consumed: set when a step has taken this state.
     """
 
     chunk_size: int
@@ -57,6 +65,8 @@ class CPRState:
     running: torch.Tensor
     pending: tuple[tuple[torch.Tensor, int, int], ...] = ()
     n_open: int = 0
+    owns_running: bool = False
+    consumed: bool = False
 
     @classmethod
     def zeros(cls, chunk_size: int, h: int, dk: int, dv: int) -> "CPRState":
@@ -96,19 +106,21 @@ def _state_pass_step(S: torch.Tensor, k, v, beta, T, G) -> torch.Tensor:
     return torch.exp(G[:, -1])[:, None, None] * S + torch.bmm(kd, U)
 
 
-def _scan(starts: list[torch.Tensor], q, k, v, g, beta, segments: list[tuple[int, int]]
-          ) -> tuple[torch.Tensor, torch.Tensor]:
+def _scan(starts: list[torch.Tensor], dsts: list[torch.Tensor], q, k, v, g, beta, segments: list[tuple[int, int]]
+          ) -> torch.Tensor:
     """Token-by-token recurrence of many segments, each from its own state, in the C kernel
     ``cpr_scan.c`` (one pass over a state per token; bits fixed by the kernel, see its header).
 
     Args:
-        starts: per segment its start states ``[H, Dk, Dv]`` fp32 (contiguous; only read).
+        starts: per segment its start states ``[H, Dk, Dv]`` fp32 (contiguous).
+        dsts: per segment where its final states go, ``[H, Dk, Dv]`` fp32 contiguous: its start states
+            themselves (updated in place), a fresh buffer, or a scratch shared by segments whose final
+            states are not needed.
         q, k: ``[N, H, Dk]`` fp32 (q already scaled). v: ``[N, H, Dv]``. g, beta: ``[N, H]``.
         segments: per segment (first token row, length).
 
     Returns:
-        (o ``[N, H, Dv]`` fp32 for the rows the segments cover (other rows 0), final states
-        ``[nseg*H, Dk, Dv]``: segment j's are rows ``j*H:(j+1)*H``).
+        o ``[N, H, Dv]`` fp32 for the rows the segments cover (other rows 0).
     """
     import ctypes
 
@@ -117,17 +129,18 @@ def _scan(starts: list[torch.Tensor], q, k, v, g, beta, segments: list[tuple[int
     Dv = v.shape[-1]
     q, k, v, beta = (x.float().contiguous() for x in (q, k, v, beta))
     decay = torch.exp(g.float()).contiguous()
-    starts = [s.contiguous() for s in starts]
-    S = torch.empty(len(segments) * H, Dk, Dv)
+    if not all(t.is_contiguous() for t in (*starts, *dsts)):
+        raise ValueError("cpr_scan: start and final states must be contiguous [H, Dk, Dv] tensors")
     o = torch.zeros(N, H, Dv)
     meta = torch.tensor(segments, dtype=torch.int64).reshape(-1, 2).t().contiguous()
-    src = torch.tensor([s.data_ptr() for s in starts], dtype=torch.int64)
+    src = torch.tensor([t.data_ptr() for t in starts], dtype=torch.int64)
+    dst = torch.tensor([t.data_ptr() for t in dsts], dtype=torch.int64)
     work = torch.empty(3 * Dv)
     ptr = lambda t: ctypes.c_void_p(t.data_ptr())  # noqa: E731
-    lib.isoexec_cpr_scan(ptr(S), ptr(src), ptr(q), ptr(k), ptr(v), ptr(decay), ptr(beta), ptr(o), ptr(meta[0]),
+    lib.isoexec_cpr_scan(ptr(dst), ptr(src), ptr(q), ptr(k), ptr(v), ptr(decay), ptr(beta), ptr(o), ptr(meta[0]),
                          ptr(meta[1]), ctypes.c_int64(len(segments)), ctypes.c_int64(H), ctypes.c_int64(Dk),
                          ctypes.c_int64(Dv), ptr(work))
-    return o, S
+    return o
 
 
 def _scan_lib():
@@ -222,6 +235,9 @@ def cpr_gdn(
     bad = [st.chunk_size for st in states if st is not None and st.chunk_size != C]
     if bad:
         raise ValueError(f"a GDN state built with chunk size C={bad[0]} cannot continue under C={C}")
+    if any(st is not None and st.consumed for st in states):
+        raise ValueError("a GDN state was passed to a step a second time: a step consumes its states (decode "
+                         "advances the running state in place); continue from the state the step returned")
     q = q * Dk**-0.5
     states = [st if st is not None else CPRState.zeros(C, H, Dk, Dv) for st in states]
     row0 = [0]
@@ -265,24 +281,32 @@ def cpr_gdn(
             S_next = _state_pass_step(S, ck[sel], cv[sel], cb[sel], T[sel], G[sel])
             for j, i in enumerate(members):
                 entries[(i, c + 1)] = S_next[j * H : (j + 1) * H]
-    # ---- segments: new tokens of each touched chunk, scanned from that chunk's start state
-    seg_state, segments, seg_seq = [], [], []
+    # ---- segments: new tokens of each touched chunk, scanned from that chunk's start state. A sequence's
+    #      last segment leaves its running state: in place when it starts from a running state the
+    #      sequence owns (decode), else in a fresh buffer; the final states of other segments, of a segment
+    #      that ends on a chunk boundary (resync), and all of them for the trainer go to one scratch
+    #      buffer that nobody reads.
+    seg_state, seg_dst, segments = [], [], []
+    final_running: dict[int, torch.Tensor] = {}
+    scratch = None
     for i, st in enumerate(states):
         n_open = st.n_open
-        for c in range(n_open // C, -(-m[i] // C) if m[i] else 0):
+        touched = [c for c in range(n_open // C, -(-m[i] // C) if m[i] else 0) if max(c * C, n_open) < min((c + 1) * C, m[i])]
+        for c in touched:
             a, b = max(c * C, n_open), min((c + 1) * C, m[i])
-            if a >= b:
-                continue
-            seg_state.append(st.running if c == n_open // C else entries[(i, c)])
+            start = st.running if c == n_open // C else entries[(i, c)]
+            if keep_state and c == touched[-1] and m[i] % C:  # (at a chunk boundary the state resyncs instead)
+                dst = start if start is st.running and st.owns_running else torch.empty(H, Dk, Dv)
+                final_running[i] = dst
+            else:
+                scratch = torch.empty(H, Dk, Dv) if scratch is None else scratch
+                dst = scratch
+            seg_state.append(start)
+            seg_dst.append(dst)
             segments.append((row0[i] + a - n_open, b - a))
-            seg_seq.append(i)
-    final_running: dict[int, torch.Tensor] = {}
-    if segments:
-        out, S = _scan(seg_state, q, k, v, g, beta, segments)
-        for j, i in enumerate(seg_seq):
-            final_running[i] = S[j * H : (j + 1) * H]  # the last segment of a sequence wins
-    else:
-        out = q.new_zeros(N, H, Dv)
+    out = _scan(seg_state, seg_dst, q, k, v, g, beta, segments) if segments else q.new_zeros(N, H, Dv)
+    for st in states:
+        st.consumed = True
     if not keep_state:
         return out, [None] * len(states)
     new_states = []
@@ -298,7 +322,9 @@ def cpr_gdn(
             packed = torch.cat([k.reshape(N, -1), v.reshape(N, -1), g, beta], dim=1)
         piece = (packed, a, row0[i + 1])
         pending = (piece,) if nfull[i] else st.pending + (piece,)
-        new_states.append(CPRState(C, entry, final_running.get(i, st.running), pending, tail))
+        running = final_running.get(i)
+        new_states.append(CPRState(C, entry, st.running if running is None else running, pending, tail,
+                                   owns_running=st.owns_running if running is None else True))
     return out, new_states
 
 

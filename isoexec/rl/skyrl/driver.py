@@ -253,7 +253,7 @@ def _run(config, mode, seed, init_dir, out_dir, steps, command, threads, engine_
     started = not ray.is_initialized()
     if started:
         env = {k: os.environ[k] for k in ("PYTHONPATH", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE",
-                                          "VLLM_CPU_KVCACHE_SPACE", "VLLM_ENABLE_V1_MULTIPROCESSING")
+                                          "VLLM_CPU_KVCACHE_SPACE", "VLLM_ENABLE_V1_MULTIPROCESSING", "LD_PRELOAD")
                if k in os.environ}
         world = config.trainer.world_size(mode)
         ray.init(**compat.ray_init_kwargs(num_cpus=max(2, world), num_trainer_gpus=world, env_vars=env))
