@@ -326,6 +326,10 @@ class EngineSection(_Section):
     rollout_check_full_vocab_every: PositiveInt = Field(
         4, description="rollout-check: every k-th request returns full-vocabulary logprob rows"
     )
+    num_engines: PositiveInt = Field(
+        1, description="SkyRL driver: data-parallel engine replicas, each a one-thread vLLM engine in its own "
+        "Ray actor; a batch's prompts are split into contiguous shards, one per engine"
+    )
 
 
 class SkyRLSection(_Section):

@@ -11,7 +11,8 @@ from isoexec.rl.skyrl import compat  # noqa: E402
 
 compat.install()
 
-from isoexec.rl.skyrl.client import check_sampling_params  # noqa: E402
+from isoexec.rl.skyrl.client import IsoExecInferenceClient, check_sampling_params, shard_bounds  # noqa: E402
+from isoexec.rl.skyrl.engine_actor import shard_seed  # noqa: E402
 from isoexec.rl.skyrl.worker import PolicyModel  # noqa: E402
 
 
@@ -69,3 +70,27 @@ def test_policy_model_refuses_another_temperature_and_holes_in_rows():
         m(ids, 2, torch.ones(1, 4), temperature=0.7)
     with pytest.raises(ValueError, match="suffix"):
         m(ids, 2, torch.tensor([[1, 0, 1, 1]]), temperature=1.0)
+
+
+@pytest.mark.parametrize("n,shards,want", [
+    (64, 2, [(0, 32), (32, 64)]),
+    (5, 2, [(0, 3), (3, 5)]),
+    (7, 3, [(0, 3), (3, 5), (5, 7)]),
+    (1, 2, [(0, 1)]),  # an empty shard is left out
+    (3, 1, [(0, 3)]),
+])
+def test_prompts_split_into_contiguous_shards_in_order(n, shards, want):
+    assert shard_bounds(n, shards) == want
+
+
+def test_shards_sample_with_distinct_seeds_and_shard_zero_keeps_the_loops_seed():
+    from isoexec.rl.loop import generation_seed
+
+    assert shard_seed(3, 5, 0) == generation_seed(3, 5)
+    seeds = {shard_seed(s, c, i) for s in range(3) for c in range(50) for i in range(4)}
+    assert len(seeds) == 3 * 50 * 4
+
+
+def test_client_without_engines_is_refused():
+    with pytest.raises(ValueError, match="at least one engine actor"):
+        IsoExecInferenceClient([], "ckpt", "ckpt")

@@ -50,20 +50,23 @@ def ckpt(tmp_path_factory):
     ray.shutdown()
 
 
-def _run(mode, ckpt, out, engine_config=None):
+def _run(mode, ckpt, out, engine_config=None, engines=1):
     from isoexec.rl.skyrl.driver import run_skyrl
 
-    run_skyrl(CFG, mode, 0, ckpt, out, steps=1, command="test", engine_config=engine_config)
+    cfg = CFG.model_copy(update={"engine": CFG.engine.model_copy(update={"num_engines": engines})})
+    run_skyrl(cfg, mode, 0, ckpt, out, steps=1, command="test", engine_config=engine_config)
     return [json.loads(s) for s in (out / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_isoexec_steps_through_skyrl_are_bitwise(ckpt, tmp_path):
-    rows = _run("isoexec", ckpt, tmp_path)
+    """Two data-parallel engines: each generates a shard of the batch, the trainer scores it whole."""
+    rows = _run("isoexec", ckpt, tmp_path, engines=2)
     assert [r["step"] for r in rows] == [0] and set(rows[0]) == LOOP_NAMES
     r = rows[0]
     assert r["tokens"] > 0 and r["mismatch_count"] == 0 and r["logprob_abs_diff_max"] == 0.0
     assert r["k3_kl"] == 0.0 and r["full_vocab_kl"] == 0.0
     prov = json.loads((tmp_path / "provenance.json").read_text())
+    assert prov["run"]["engines"] == 2
     assert prov["run"]["driver"] == "skyrl" and prov["skyrl_overrides"]["trainer.algorithm.eps_clip_high"] == 0.28
 
 

@@ -97,10 +97,13 @@ FIGURES = expand(
     ext=("png", "pdf"),
 )
 NOTEBOOK = os.path.join(workflow.basedir, "notebooks", "analysis.ipynb")
-# Every torch stage reserves all cores so that timed stages (RL runs, benchmarks) never run side by
-# side; the stages themselves compute on one torch thread (`isoexec ... --threads 1`, the default),
-# which was the stable choice on the shared 2-core machines.
+# The timed stages (RL runs, benchmarks) reserve all cores, so that they never run side by side with
+# anything (the overheads stay honest). The untimed stages before them (init, SFT, gates, rollout
+# check) compute on one torch thread (`isoexec ... --threads 1`, the default, the stable choice on
+# the shared 2-core machines) and reserve one core: on two cores the SFT runs beside the gates and
+# the rollout check (their recorded times, e.g. SFT's time_s, are then of a shared machine).
 ALL_CORES = os.cpu_count() or 1
+ONE_THREAD = 1
 
 # Every job allocates through tcmalloc where it is installed (vLLM's CPU setup; isoexec/allocator.py
 # says why): a preload acts when a process starts, so it is set here, once, for all jobs.

@@ -17,7 +17,7 @@ rule rollout_check:
         f"{BENCH}/rollout_check.tsv"
     conda:
         "../envs/isoexec.yaml"
-    threads: ALL_CORES
+    threads: ONE_THREAD
     params:
         config=CONFIGFILE,
         settings=settings_digest(

@@ -16,7 +16,7 @@ rule gates:
         f"{BENCH}/gates.tsv"
     conda:
         "../envs/isoexec.yaml"
-    threads: ALL_CORES
+    threads: ONE_THREAD
     params:
         config=CONFIGFILE,
         settings=settings_digest("device", "model", "kernels", "gates"),

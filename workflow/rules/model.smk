@@ -11,7 +11,7 @@ rule init_model:
         f"{BENCH}/init_model.tsv"
     conda:
         "../envs/isoexec.yaml"
-    threads: ALL_CORES
+    threads: ONE_THREAD
     params:
         config=CONFIGFILE,
         settings=settings_digest("device", "model", "kernels", "task"),
@@ -29,9 +29,10 @@ rule sft:
         f"{LOGS}/sft.log",
     benchmark:
         f"{BENCH}/sft.tsv"
+    priority: 1  # on the critical path (the RL runs wait for it): started before the gates and rollout check
     conda:
         "../envs/isoexec.yaml"
-    threads: ALL_CORES
+    threads: ONE_THREAD
     params:
         config=CONFIGFILE,
         settings=settings_digest("device", "model", "kernels", "task", "sft"),

@@ -2,9 +2,15 @@
 
 The client is what SkyRL holds: ``SkyRLGymGenerator`` calls :meth:`IsoExecInferenceClient.generate`
 (token in, token out, batched), and the policy workers' weight sync calls
-:meth:`IsoExecInferenceClient.update_named_weights`. It is picklable (a Ray actor handle and
+:meth:`IsoExecInferenceClient.update_named_weights`. It is picklable (Ray actor handles and
 plain settings), so the same client reaches the trainer's worker processes through SkyRL's
 ``init_weight_sync_state``.
+
+With several engines (data parallel, ``engine.num_engines``) a batch's prompts are split into
+contiguous shards, one per engine, generated concurrently and concatenated in prompt order; every
+weight sync goes to every engine, and their checksums must agree. In isoexec mode the split moves no
+bit of any logprob (batch invariance); which tokens are sampled depends on the shard's seed
+(:func:`isoexec.rl.skyrl.engine_actor.shard_seed`).
 
 Sampling parameters (SkyRL's vLLM dict, ``get_vllm_sampling_params``) are checked at this boundary:
 the engine samples from the policy itself, so only ``top_p == 1``, ``top_k in {-1, 0}``,
@@ -22,6 +28,7 @@ mode). The engine runs the handshake before any weight moves.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any, Hashable
 
 import ray
@@ -34,6 +41,19 @@ from skyrl.backends.skyrl_train.inference_servers.base import (
 SERVED = {"top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0}
 """Sampling settings that must have exactly these values (absent keys take them)."""
 IGNORED = {"min_tokens", "skip_special_tokens", "include_stop_str_in_output", "n"}
+
+
+def shard_bounds(n: int, shards: int) -> list[tuple[int, int]]:
+    """``[start, stop)`` of ``shards`` contiguous shards of ``n`` items, sizes differing by at most one
+    (the first ``n % shards`` shards one larger); empty shards are left out."""
+    base, extra = divmod(n, shards)
+    bounds, start = [], 0
+    for i in range(shards):
+        stop = start + base + (i < extra)
+        if stop > start:
+            bounds.append((start, stop))
+        start = stop
+    return bounds
 
 
 def check_sampling_params(params: dict[str, Any]) -> tuple[int, float]:
@@ -67,21 +87,23 @@ def check_sampling_params(params: dict[str, Any]) -> tuple[int, float]:
 
 
 class IsoExecInferenceClient(InferenceEngineInterface):
-    """``InferenceEngineInterface`` over one :class:`EngineActor` (Ray actor handle).
+    """``InferenceEngineInterface`` over one or more :class:`EngineActor` s (Ray actor handles).
 
     Args:
-        actor: handle of a running ``EngineActor``.
+        actors: handles of running ``EngineActor`` s, in shard order (``shard=i`` for the i-th).
         tokenizer_path: directory of the tokenizer (the checkpoint); loaded lazily, per process.
         model_name: what :attr:`model_name` reports (the checkpoint path).
     """
 
-    def __init__(self, actor: Any, tokenizer_path: str, model_name: str):
-        self.actor = actor
+    def __init__(self, actors: list[Any], tokenizer_path: str, model_name: str):
+        if not actors:
+            raise ValueError("IsoExecInferenceClient needs at least one engine actor, got none")
+        self.actors = list(actors)
         self.tokenizer_path = tokenizer_path
         self._model_name = model_name
         self._tokenizer = None
         self.weight_version = 0
-        self.last_seed: int | None = None
+        self.last_seeds: list[int] = []
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
@@ -116,13 +138,16 @@ class IsoExecInferenceClient(InferenceEngineInterface):
             raise ValueError("return_sample_support=True is not served by isoexec's engine")
         max_tokens, temperature = check_sampling_params(dict(input_batch.get("sampling_params") or {}))
         prompts = [list(map(int, p)) for p in input_batch["prompt_token_ids"]]
-        out = await self.actor.generate.remote(prompts, max_tokens, temperature)
-        self.last_seed = out["seed"]
+        outs = await asyncio.gather(*[actor.generate.remote(prompts[a:b], max_tokens, temperature)
+                                      for actor, (a, b) in zip(self.actors, shard_bounds(len(prompts),
+                                                                                         len(self.actors)))])
+        self.last_seeds = [o["seed"] for o in outs]
+        response_ids = [r for o in outs for r in o["response_ids"]]
         return InferenceEngineOutput(
-            responses=[self.tokenizer.decode(r, skip_special_tokens=False) for r in out["response_ids"]],
-            response_ids=out["response_ids"],
-            stop_reasons=out["stop_reasons"],
-            response_logprobs=out["logprobs"],
+            responses=[self.tokenizer.decode(r, skip_special_tokens=False) for r in response_ids],
+            response_ids=response_ids,
+            stop_reasons=[r for o in outs for r in o["stop_reasons"]],
+            response_logprobs=[r for o in outs for r in o["logprobs"]],
             prompt_logprobs=None,
             rollout_expert_indices=None,
             rollout_sample_support=None,
@@ -132,22 +157,34 @@ class IsoExecInferenceClient(InferenceEngineInterface):
         """Weight sync through the engine, contract handshake first (see module docstring).
 
         Returns:
-            name -> checksum as reported by the engine after the sync.
+            name -> checksum as reported by the engines after the sync.
+
+        Raises:
+            isoexec.engines.weight_sync.WeightSyncError: the engines report different checksums.
         """
+        from isoexec.engines.weight_sync import WeightSyncError
+
         if set(request) != {"safetensors", "contract"}:
             raise ValueError(f"update_named_weights takes {{'safetensors', 'contract'}}, got keys {sorted(request)}")
-        return await self.actor.update_weights.remote(request["safetensors"], request["contract"])
+        payload = ray.put(request["safetensors"])  # one copy in the object store for every engine
+        sums = await asyncio.gather(*[a.update_weights.remote(payload, request["contract"]) for a in self.actors])
+        differ = sorted(k for k in sums[0] if any(s.get(k) != sums[0][k] for s in sums[1:]))
+        if differ or any(set(s) != set(sums[0]) for s in sums[1:]):
+            raise WeightSyncError(f"engines report different checksums after the sync: {differ[:5]}")
+        return sums[0]
 
     def full_rows(self, keys: list[tuple[list[int], list[int]]]) -> list:
-        """Engine full-vocabulary rows of the last batch for ``(prompt ids, response ids)`` keys (blocking)."""
-        return ray.get(self.actor.full_rows.remote(keys))
+        """Engine full-vocabulary rows of the last batch for ``(prompt ids, response ids)`` keys (blocking;
+        each key from whichever engine generated it, None where none kept one)."""
+        per_engine = ray.get([a.full_rows.remote(keys) for a in self.actors])
+        return [next((rows[i] for rows in per_engine if rows[i] is not None), None) for i in range(len(keys))]
 
     def increment_weight_version(self) -> None:
         """Called by SkyRL after each weight sync; the version is recorded only (no prefix cache here)."""
         self.weight_version += 1
 
     async def get_world_size(self) -> tuple[int, int]:
-        return 1, 1
+        return len(self.actors), 1
 
     def get_endpoint_url(self) -> str:
         raise NotImplementedError("isoexec's engine has no HTTP endpoint (token in, token out through Ray)")
@@ -188,4 +225,4 @@ class IsoExecInferenceClient(InferenceEngineInterface):
         return None
 
     async def teardown(self) -> None:
-        await self.actor.shutdown.remote()
+        await asyncio.gather(*[a.shutdown.remote() for a in self.actors])

@@ -4,8 +4,10 @@ Pieces, all plugged into SkyRL's extension points (no SkyRL file is edited):
 
 - ``BasePPOExp`` hooks (``skyrl/train/entrypoints/main_base.py``): :class:`IsoExecPPOExp` overrides
   ``get_train_dataset`` (the task's DAPO-schema parquet, one tokenizer process),
-  ``get_inference_client`` (isoexec's vLLM engine in an :class:`~isoexec.rl.skyrl.engine_actor.EngineActor`
-  behind :class:`~isoexec.rl.skyrl.client.IsoExecInferenceClient`) and ``get_trainer``; its
+  ``get_inference_client`` (``engine.num_engines`` data-parallel vLLM engines, each in an
+  :class:`~isoexec.rl.skyrl.engine_actor.EngineActor` at one torch thread, behind
+  :class:`~isoexec.rl.skyrl.client.IsoExecInferenceClient`, which splits each batch into contiguous
+  shards) and ``get_trainer``; its
   ``run`` composes the hooks as ``BasePPOExp._setup_trainer`` does, but hands
   ``RayPPOTrainer.build_models`` isoexec's policy worker (SkyRL's stock FSDP and Megatron workers
   need CUDA, and the FSDP module does not import without ``peft``) and no critic / reference.
@@ -184,10 +186,11 @@ class IsoExecPPOExp(BasePPOExp):
 
     def get_inference_client(self) -> IsoExecInferenceClient:
         path = self.cfg.trainer.policy.model.path
-        actor = ray.remote(num_cpus=0)(EngineActor).remote(
-            path, self.mode, self.engine_exp.model_dump_json(), self.seed, True, self.threads)
-        ray.get(actor.info.remote())  # the engine is up (or its error surfaces here)
-        return IsoExecInferenceClient(actor, path, path)
+        actors = [ray.remote(num_cpus=0)(EngineActor).remote(
+            path, self.mode, self.engine_exp.model_dump_json(), self.seed, True, self.threads, shard)
+            for shard in range(self.exp.engine.num_engines)]
+        ray.get([a.info.remote() for a in actors])  # the engines are up (or an error surfaces here)
+        return IsoExecInferenceClient(actors, path, path)
 
     def get_trainer(self, cfg, tracker, tokenizer, train_dataset, eval_dataset, inference_engine_client,
                     generator, colocate_pg) -> IsoExecPPOTrainer:
@@ -246,7 +249,8 @@ def _run(config, mode, seed, init_dir, out_dir, steps, command, threads, engine_
     cfg = build(overrides)
     prov = provenance(command)
     prov["run"] = {"mode": mode, "seed": seed, "init": str(init_dir), "steps": steps, "driver": "skyrl",
-                   "engine": "EngineActor(RolloutEngine)", "trainer": "IsoExecPolicyWorker",
+                   "engine": "EngineActor(RolloutEngine)", "engines": config.engine.num_engines,
+                   "trainer": "IsoExecPolicyWorker",
                    "torch_num_threads": threads}
     prov["skyrl_overrides"] = {k: v for k, v in overrides.items() if k != "trainer.policy.model_config_kwargs"}
     atomic_write_json(out_dir / "provenance.json", prov)

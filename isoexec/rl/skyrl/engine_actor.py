@@ -7,9 +7,10 @@ imports them. SkyRL talks to it through :class:`isoexec.rl.skyrl.client.IsoExecI
 :class:`EngineActor` wraps :class:`isoexec.engines.vllm_engine.RolloutEngine` (``native`` or
 ``isoexec``) and adds what a SkyRL run needs:
 
-- one sampling seed per ``generate`` call, ``generation_seed(run seed, call index)``: the same
-  sequence in both modes of a paired run (the plain loop seeds by step; here the call index is
-  the step unless dynamic sampling asks for more batches);
+- one sampling seed per ``generate`` call, ``generation_seed(run seed, call index)`` (shifted per
+  data-parallel shard, :func:`shard_seed`): the same sequence in both modes of a paired run (the
+  plain loop seeds by step; here the call index is the step unless dynamic sampling asks for more
+  batches);
 - full-vocabulary rows of the sampled positions kept until fetched, keyed by the token content
   ``(prompt ids, response ids)``, for the ``full_vocab_kl`` metric (``keep_rows``);
 - the weight sync with the contract handshake: :meth:`update_weights` hands the tensors and the
@@ -24,10 +25,16 @@ from typing import Any
 import numpy as np
 
 
-def _generation_seed(seed: int, call: int) -> int:
+def shard_seed(seed: int, call: int, shard: int) -> int:
+    """Sampling seed of data-parallel engine ``shard`` for ``generate`` call ``call`` of run ``seed``.
+
+    Shard 0 draws the plain loop's ``generation_seed(seed, call)``; shard ``i`` shifts it by
+    ``i * 1_000_033`` (mod 2**31 - 1), so that shards holding copies of one prompt sample
+    independently.
+    """
     from isoexec.rl.loop import generation_seed
 
-    return generation_seed(seed, call)
+    return (generation_seed(seed, call) + shard * 1_000_033) % (2**31 - 1)
 
 
 class EngineActor:
@@ -41,9 +48,12 @@ class EngineActor:
         seed: run seed (engine seed and per-call sampling seeds).
         keep_rows: keep full-vocabulary rows of the last ``generate`` (for ``full_vocab_kl``).
         threads: torch intra-op threads in this process.
+        shard: index of this engine among the run's data-parallel engines (its sampling seeds,
+            :func:`shard_seed`).
     """
 
-    def __init__(self, checkpoint: str, mode: str, config_json: str, seed: int, keep_rows: bool, threads: int = 1):
+    def __init__(self, checkpoint: str, mode: str, config_json: str, seed: int, keep_rows: bool, threads: int = 1,
+                 shard: int = 0):
         import torch
 
         from isoexec.config import ExperimentConfig
@@ -53,7 +63,7 @@ class EngineActor:
         vllm_env_defaults()
         cfg = ExperimentConfig.model_validate(json.loads(config_json))
         self.engine = RolloutEngine(checkpoint, mode, cfg.engine, cfg.kernels, seed=seed)
-        self.seed = seed
+        self.seed, self.shard = seed, shard
         self.keep_rows = keep_rows
         self.calls = 0
         self.rows: dict[tuple[tuple[int, ...], tuple[int, ...]], np.ndarray] = {}
@@ -73,7 +83,7 @@ class EngineActor:
             ``response_ids`` (lists of ints), ``logprobs`` (lists of float32 values as Python floats,
             exact), ``stop_reasons`` (``"stop"`` or ``"length"``), ``seed`` (the sampling seed used).
         """
-        seed = _generation_seed(self.seed, self.calls)
+        seed = shard_seed(self.seed, self.calls, self.shard)
         self.calls += 1
         groups = self.engine.generate(prompt_token_ids, n=1, max_tokens=max_tokens, seed=seed,
                                       temperature=temperature, full_vocab_every=1 if self.keep_rows else 0)

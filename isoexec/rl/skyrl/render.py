@@ -161,7 +161,7 @@ def local_overrides(exp: ExperimentConfig, mode: str, seed: int, init_dir: str |
         "generator.zero_reward_on_non_stop": False,
         "generator.apply_overlong_filtering": False,
         "generator.inference_engine.backend": "vllm",
-        "generator.inference_engine.num_engines": 1,
+        "generator.inference_engine.num_engines": e.num_engines,
         "generator.inference_engine.tensor_parallel_size": 1,
         "generator.inference_engine.model_dtype": exp.model.dtype,
         "generator.inference_engine.enable_prefix_caching": e.enable_prefix_caching,
