@@ -27,7 +27,7 @@ for _k, _v in {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABL
 from isoexec.config import EngineSection, KernelSection, ModelSection  # noqa: E402
 from isoexec.model.hf import build_checkpoint  # noqa: E402
 from isoexec.engines.rollout_check import compare, make_prompts, trainer_rows  # noqa: E402
-from isoexec.engines.vllm_engine import RolloutEngine  # noqa: E402
+from isoexec.engines.vllm_engine import RolloutEngine, _flat_logprobs  # noqa: E402
 from isoexec.engines.weight_sync import state_checksums  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -99,6 +99,22 @@ def test_vllm_internals_used_by_isoexec_still_exist(toy_engine):
 
 
 # --------------------------------------------------------------------------- rollout invariants
+def test_flat_logprobs_give_each_tokens_logprob_and_its_full_row():
+    from vllm.logprobs import FlatLogprobs
+
+    lp = FlatLogprobs()
+    lp.append_fast([2, 0, 1, 2], [-0.5, -1.5, -2.5, -0.5], iter([1, 1, 2, 3]), [None] * 4)  # own token, then V=3
+    lp.append_fast([0, 0, 1, 2], [-0.25, -0.25, -3.0, -4.0], iter([1, 1, 2, 3]), [None] * 4)
+    lps, rows = _flat_logprobs(lp, [2, 0], 3)
+    assert lps.dtype == np.float32 and lps.tolist() == [-0.5, -0.25]
+    assert rows.tolist() == [[-1.5, -2.5, -0.5], [-0.25, -3.0, -4.0]]
+    assert _flat_logprobs(lp, [2, 0], 0)[1] is None
+    with pytest.raises(RuntimeError, match="do not start each position with its token"):
+        _flat_logprobs(lp, [2, 1], 3)
+    with pytest.raises(RuntimeError, match="expected FlatLogprobs"):
+        _flat_logprobs([{2: None}], [2], 3)
+
+
 def test_isoexec_rollout_logprobs_bitwise_equal_trainer_score_under_preemption(toy_engine, toy_trainer, prompts):
     samples = toy_engine.generate(prompts, n=2, max_tokens=24, seed=0, full_vocab_every=2)
     res = compare("isoexec", samples, prompts, toy_trainer)

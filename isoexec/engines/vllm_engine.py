@@ -48,6 +48,38 @@ EXTENSION = "isoexec.engines.vllm_plugin.IsoExecWorkerExtension"
 _GENERATE_KEYWORDS = ("n", "max_tokens", "seed", "temperature", "full_vocab_every", "ignore_eos")
 
 
+def _flat_logprobs(lp: Any, tokens: Sequence[int], vocab_size: int) -> tuple[np.ndarray, np.ndarray | None]:
+    """The logprobs of ``tokens`` and, with ``vocab_size`` > 0, their full rows, from vLLM's
+    ``FlatLogprobs`` (``SamplingParams(flat_logprobs=True)``, ``vllm/logprobs.py``).
+
+    Position k's entries are ``[start_indices[k], end_indices[k])`` of the flat lists: first the
+    position's own token (sampled, or the prompt's next token), then the requested top ranks (the whole
+    vocabulary for a full row, the own token again among them, with the same value).
+
+    Returns:
+        ``[R]`` float32 logprobs of ``tokens`` and ``[R, vocab_size]`` float32 rows (NaN where vLLM
+        returned no entry) or None.
+
+    Raises:
+        RuntimeError: vLLM returned another container, or a position whose first entry is not its token.
+    """
+    if not hasattr(lp, "start_indices"):
+        raise RuntimeError(f"vLLM returned logprobs as {type(lp).__name__}, expected FlatLogprobs (flat_logprobs=True)")
+    starts = np.asarray(lp.start_indices, dtype=np.int64)
+    ends = np.asarray(lp.end_indices, dtype=np.int64)
+    ids = np.asarray(lp.token_ids, dtype=np.int64)
+    vals = np.asarray(lp.logprobs, dtype=np.float32)
+    own = np.asarray(tokens, dtype=np.int64)
+    if len(starts) != len(own) or not np.array_equal(ids[starts], own):
+        raise RuntimeError(f"vLLM's logprobs do not start each position with its token ({len(starts)} positions, "
+                           f"{len(own)} tokens)")
+    rows = None
+    if vocab_size:
+        rows = np.full((len(own), vocab_size), np.nan, dtype=np.float32)
+        rows[np.repeat(np.arange(len(own)), ends - starts), ids] = vals
+    return vals[starts], rows
+
+
 class RolloutEngine:
     """An in-process ``vllm.LLM`` in ``native`` or ``isoexec`` mode.
 
@@ -166,6 +198,7 @@ class RolloutEngine:
             prompt_logprobs=prompt_logprobs,
             ignore_eos=ignore_eos,
             detokenize=False,
+            flat_logprobs=True,  # read by _flat_logprobs: primitive lists, not a dict of objects per position
         )
 
     def generate(
@@ -223,13 +256,7 @@ class RolloutEngine:
             group = []
             for c in o.outputs:
                 toks = list(c.token_ids)
-                lps = np.array([d[t].logprob for t, d in zip(toks, c.logprobs)], dtype=np.float32)
-                rows = None
-                if full:
-                    rows = np.full((len(toks), self.vocab_size), np.nan, dtype=np.float32)
-                    for k, d in enumerate(c.logprobs):
-                        ids = np.fromiter(d.keys(), dtype=np.int64)
-                        rows[k, ids] = np.fromiter((x.logprob for x in d.values()), dtype=np.float32)
+                lps, rows = _flat_logprobs(c.logprobs, toks, self.vocab_size if full else 0)
                 group.append(Completion(toks, torch.from_numpy(lps), None if rows is None else torch.from_numpy(rows),
                                         c.finish_reason))
             if len(group) != n:
@@ -253,15 +280,9 @@ class RolloutEngine:
         outs = self.llm.generate([{"prompt_token_ids": [int(x) for x in s]} for s in sequences], sp, use_tqdm=False)
         res = []
         for s, o in zip(sequences, outs):
-            pl = o.prompt_logprobs[1:]
-            if full_vocab:
-                rows = np.full((len(pl), self.vocab_size), np.nan, dtype=np.float32)
-                for k, d in enumerate(pl):
-                    ids = np.fromiter(d.keys(), dtype=np.int64)
-                    rows[k, ids] = np.fromiter((x.logprob for x in d.values()), dtype=np.float32)
-                res.append(rows)
-            else:
-                res.append(np.array([d[int(tok)].logprob for tok, d in zip(s[1:], pl)], dtype=np.float32))
+            lps, rows = _flat_logprobs(o.prompt_logprobs[1:], [int(t) for t in s[1:]],
+                                       self.vocab_size if full_vocab else 0)
+            res.append(rows if full_vocab else lps)
         return res
 
     # -- weights -----------------------------------------------------------------------------
