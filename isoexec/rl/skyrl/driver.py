@@ -185,11 +185,12 @@ class IsoExecPPOExp(BasePPOExp):
                              max_prompt_length=self.cfg.trainer.max_prompt_length, num_workers=1)
 
     def get_inference_client(self) -> IsoExecInferenceClient:
+        """Starts the engine actors without waiting for them: they load while the trainer's workers
+        start, and :meth:`run` waits for both before the first step."""
         path = self.cfg.trainer.policy.model.path
         actors = [ray.remote(num_cpus=0)(EngineActor).remote(
             path, self.mode, self.engine_exp.model_dump_json(), self.seed, True, self.threads, shard)
             for shard in range(self.exp.engine.num_engines)]
-        ray.get([a.info.remote() for a in actors])  # the engines are up (or an error surfaces here)
         return IsoExecInferenceClient(actors, path, path)
 
     def get_trainer(self, cfg, tracker, tokenizer, train_dataset, eval_dataset, inference_engine_client,
@@ -210,6 +211,7 @@ class IsoExecPPOExp(BasePPOExp):
         trainer.add_callback(self.metrics)
         self.trainer = trainer
         trainer.build_models(ray.remote(IsoExecPolicyWorker), None, None)
+        ray.get([a.info.remote() for a in client.actors])  # the engines are up (or an engine's error surfaces here)
         asyncio.run(trainer.train())
         return trainer
 
