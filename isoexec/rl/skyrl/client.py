@@ -103,7 +103,6 @@ class IsoExecInferenceClient(InferenceEngineInterface):
         self._model_name = model_name
         self._tokenizer = None
         self.weight_version = 0
-        self.last_seeds: list[int] = []
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
@@ -141,7 +140,6 @@ class IsoExecInferenceClient(InferenceEngineInterface):
         outs = await asyncio.gather(*[actor.generate.remote(prompts[a:b], max_tokens, temperature)
                                       for actor, (a, b) in zip(self.actors, shard_bounds(len(prompts),
                                                                                          len(self.actors)))])
-        self.last_seeds = [o["seed"] for o in outs]
         response_ids = [r for o in outs for r in o["response_ids"]]
         return InferenceEngineOutput(
             responses=[self.tokenizer.decode(r, skip_special_tokens=False) for r in response_ids],
