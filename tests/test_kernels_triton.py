@@ -205,6 +205,39 @@ def test_cpr_decode_matches_trainer_across_chunk_boundaries_bitwise():
     assert torch.equal(torch.cat(outs), o)
 
 
+def _fp64_grads(q, k, v, g, b, do, lengths):
+    """Gradients of the fp64 token-by-token reference (per sequence from a zero state), on the CPU."""
+    from isoexec.kernels.gdn.reference import recurrent_reference
+
+    ins = [x.detach().cpu().double().requires_grad_() for x in (q, k, v, g, b)]
+    outs, r = [], 0
+    for n in lengths:
+        outs.append(recurrent_reference(*(x[r : r + n] for x in ins))[0])
+        r += n
+    (torch.cat(outs) * do.cpu().double()).sum().backward()
+    return [x.grad for x in ins]
+
+
+def test_cpr_triton_backward_matches_the_fp64_gradient_and_keeps_the_forward_bits():
+    from isoexec.kernels.gdn.native import chunk_reference
+    from isoexec.kernels.gdn.triton import cpr_gdn
+    from isoexec.kernels.gdn.triton_backward import CPRTritonTrainerFunction
+
+    C, lengths = 64, [150, 64, 37]
+    q, k, v, g, b = _gdn_inputs(sum(lengths))
+    do = torch.randn_like(v)
+    ins = [x.clone().requires_grad_() for x in (q, k, v, g, b)]
+    o = CPRTritonTrainerFunction.apply(*ins, lengths, C, CFG)
+    assert torch.equal(o, cpr_gdn(q, k, v, g, b, lengths, [None] * 3, C, CFG, keep_state=False)[0])
+    got = torch.autograd.grad(o, ins, do)
+    ref = _fp64_grads(q, k, v, g, b, do, lengths)
+    torch_ins = [x.clone().requires_grad_() for x in (q, k, v, g, b)]
+    torch_grads = torch.autograd.grad(chunk_reference(lengths, C, *torch_ins), torch_ins, do)
+    for name, gt_, tt, r in zip("q k v g beta".split(), got, torch_grads, ref):
+        err, err_torch = _rel(gt_.cpu(), r), _rel(tt.cpu(), r)
+        assert err < max(3 * err_torch, 5e-3), (name, err, err_torch)  # tf32 dots
+
+
 def test_fla_chunk_and_recurrent_differ_negative_control():
     pytest.importorskip("fla")
     from isoexec.kernels.gdn.native import fla_gdn

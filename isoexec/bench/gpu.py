@@ -12,8 +12,10 @@
 * ``variants_<parts>.csv``: candidate launch constants (GEMM programs and tiles, leaf GEMM tiles and
   launches, attention tiles, CPR launches) measured side by side, each with its bitwise check.
 * ``cpr_breakdown.csv``: CPR kernel time by kernel (torch.profiler).
-* ``cpr_layer.csv``: the CPR Gated DeltaNet per-layer table (trainer 1x10240, prefill 5x2048, decode
-  256 x 1) for native mixed, chunkwise everywhere, recurrent everywhere and CPR.
+* ``cpr_layer.csv``: the CPR Gated DeltaNet per-layer table (trainer 1x10240 forward and forward +
+  backward, prefill 5x2048, decode 256 x 1) for native mixed, chunkwise everywhere, recurrent everywhere
+  and CPR; ``cpr_backward.csv``: each strategy's forward + backward time and gradient error against the
+  fp64 reference.
 * ``model_throughput.csv``: the unified model, isoexec vs native kernel sets, and the transformers
   model with fla kernels.
 * ``provenance.json``: code version, device, software, ceilings, the commands.
@@ -21,6 +23,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import statistics
@@ -326,6 +329,23 @@ def cpr_table(cfg, log=print, hq=16, hv=32, dk=128, dv=128) -> list[dict]:
                      "note": "forward only (fla chunk backward refuses on Hopper with Triton 3.6); fla in bf16, CPR fp32 inputs"
                      if stage.startswith("trainer") else "CPR keeps decode states (pool slots, open-chunk buffers)"})
         log(json.dumps(rows[-1]))
+    # trainer forward + backward (the blog's trainer row)
+    q, k, v, g, b = inputs(10240)
+    ms = {}
+    for name, fn in _trainer_fwd_bwd(cfg, q, k, v, g, b, [10240], torch.randn_like(v)).items():
+        try:
+            ms[name] = _bench(fn, warmup=3, rep=20)
+        except Exception as e:  # a path without a backward on this stack
+            log(f"{name}: {type(e).__name__}: {str(e)[:200]}")
+            ms[name] = float("nan")
+    rows.append({"stage": "trainer_fwd+bwd 1x10240", **{f"{kk}_ms": ms[kk] for kk in ms},
+                 **{f"{kk}_ratio": ms[kk] / ms["native_mixed"] for kk in ms},
+                 "note": "native mixed: fla chunk forward (bf16) + the gradient of the torch chunk reference (the fastest "
+                         "correct backward here: fla's chunk backward refuses on Hopper with Triton < 3.7.1, fla issue "
+                         "640); chunkwise everywhere: fla chunk forward + fla's own backward with that refusal lifted "
+                         "(timing only, see cpr_backward.csv for its error); recurrent everywhere: fla fused_recurrent "
+                         "forward + the torch chunk reference backward; CPR: CPR forward + the Triton chunkwise backward"})
+    log(json.dumps(rows[-1]))
     # decode 256 seqs x 1 token, steady state; CPR amortised over a whole chunk (C steps incl. one resync)
     B = 256
     q, k, v, g, b = inputs(B)
@@ -355,6 +375,95 @@ def cpr_table(cfg, log=print, hq=16, hv=32, dk=128, dv=128) -> list[dict]:
                  "note": f"CPR per token amortised over {C} steps incl. one resync; a step without resync {t_one:.4f} ms; "
                          "includes host-side slot bookkeeping"})
     log(json.dumps(rows[-1]))
+    return rows
+
+
+@contextlib.contextmanager
+def _fla_gated_chunk_backward_unguarded():
+    """Lift fla's refusal of its gated chunk backward for timing and error measurement in this process only.
+
+    fla-core 0.6.0, ``fla/ops/common/chunk_o.py`` line 727 (``chunk_bwd_dqkwg``) raises on Hopper with Triton
+    >= 3.4 and < 3.7.1 (fla issue 640: the compiled kernel gives wrong results). The benchmark times that
+    backward anyway, as the chunkwise kernel a fixed Triton would run, and reports its gradient error beside."""
+    import fla.ops.common.chunk_o as chunk_o
+
+    old = chunk_o.TRITON_ABOVE_3_7_1
+    chunk_o.TRITON_ABOVE_3_7_1 = True
+    try:
+        yield
+    finally:
+        chunk_o.TRITON_ABOVE_3_7_1 = old
+
+
+def _trainer_fwd_bwd(cfg, q, k, v, g, b, lens, do, bf16=True) -> dict:
+    """Callables running GDN forward + backward (``torch.autograd.grad`` of ``<o, do>``, returning the
+    gradients of q, k, v, g, beta) per strategy of the CPR table; fla's inputs cast to bf16 if ``bf16``."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+
+    from isoexec.kernels.autograd import with_ref_grad
+    from isoexec.kernels.gdn.native import chunk_reference
+    from isoexec.kernels.gdn.triton_backward import CPRTritonTrainerFunction
+
+    C, tc = cfg.kernels.chunk_size, cfg.kernels.triton
+    cu = torch.tensor([0] + lens, device=q.device).cumsum(0)
+    cast = (lambda x: x.to(torch.bfloat16)) if bf16 else (lambda x: x)
+
+    def fla(fn):
+        return lambda q_, k_, v_, g_, b_: fn(cast(q_)[None], cast(k_)[None], cast(v_)[None], g=g_[None],
+                                             beta=cast(b_)[None], cu_seqlens=cu)[0][0].float()
+
+    def run(fwd, unguarded=False):
+        def go():
+            ins = [x.detach().requires_grad_() for x in (q, k, v, g, b)]
+            ctx = _fla_gated_chunk_backward_unguarded() if unguarded else contextlib.nullcontext()
+            with ctx:
+                return torch.autograd.grad(fwd(*ins), ins, do)
+        return go
+
+    ref = lambda *x: chunk_reference(lens, C, *x)  # noqa: E731
+    return {
+        "native_mixed": run(lambda *x: with_ref_grad(fla(chunk_gated_delta_rule), ref, *x)),
+        "chunkwise_everywhere": run(fla(chunk_gated_delta_rule), unguarded=True),
+        "recurrent_everywhere": run(lambda *x: with_ref_grad(fla(fused_recurrent_gated_delta_rule), ref, *x)),
+        "cpr": run(lambda *x: CPRTritonTrainerFunction.apply(*x, lens, C, tc)),
+    }
+
+
+def cpr_backward_table(cfg, log=print, H=32) -> list[dict]:
+    """The GDN backward per strategy: forward+backward time at trainer 1x10240 (h32, dims 128; fla in bf16,
+    CPR fp32) and each gradient's error against the fp64 token-by-token reference at 1x1024 (h4, fp32 inputs
+    everywhere): ``||grad - ref|| / ||ref||``, the largest over q, k, v, g, beta."""
+    import torch.nn.functional as F
+
+    from isoexec.kernels.gdn.reference import recurrent_reference
+
+    def inputs(T, h):
+        return (F.normalize(torch.randn(T, h, 128, device="cuda"), dim=-1),
+                F.normalize(torch.randn(T, h, 128, device="cuda"), dim=-1), torch.randn(T, h, 128, device="cuda"),
+                F.logsigmoid(torch.randn(T, h, device="cuda")) * 0.1, torch.rand(T, h, device="cuda"))
+
+    small = inputs(1024, 4)
+    do_small = torch.randn_like(small[2])
+    ins = [x.detach().cpu().double().requires_grad_() for x in small]
+    (recurrent_reference(*ins)[0] * do_small.cpu().double()).sum().backward()
+    fns = _trainer_fwd_bwd(cfg, *small, [1024], do_small, bf16=False)
+    big = inputs(10240, H)
+    fns_big = _trainer_fwd_bwd(cfg, *big, [10240], torch.randn_like(big[2]))
+    rows = []
+    for name in fns:
+        row = {"strategy": name, "shape": f"1x10240 h{H}", "fwd_bwd_ms": float("nan"), "grad_rel_err_max": float("nan"),
+               "error": ""}
+        try:
+            grads = fns[name]()
+            row["grad_rel_err_max"] = max(float((gr.double().cpu() - x.grad).norm() / x.grad.norm())
+                                          for gr, x in zip(grads, ins))
+            row["fwd_bwd_ms"] = _bench(fns_big[name], warmup=3, rep=20)
+        except Exception as e:  # a strategy without a backward on this stack
+            row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        rows.append(row)
+        log(json.dumps(row))
+    for r in rows:
+        r["fwd_bwd_ratio"] = r["fwd_bwd_ms"] / rows[0]["fwd_bwd_ms"]
     return rows
 
 
@@ -513,6 +622,8 @@ def variants(cfg, log=print, extra_models=(), parts=("gemm", "leaf", "attention"
         _variants_cpr(cfg, tc0, bench, rec, log)
     if "moe" in parts:
         _variants_moe(models, bench, rec)
+    if "cpr_bwd" in parts:
+        _variants_cpr_backward(cfg, tc0, bench, rec)
     return rows
 
 
@@ -672,6 +783,35 @@ def _variants_cpr(cfg, tc0, bench, rec, log):
             rec(what="cpr_decode", config=f"{sbv},{sw}", error=f"{type(e).__name__}: {str(e)[:200]}")
 
 
+def _variants_cpr_backward(cfg, tc0, bench, rec):
+    """The Triton CPR backward's launch (Dv block, warps) at trainer 1x10240 h32: forward + backward time,
+    each candidate's gradients against the pinned launch's (not bitwise: max relative difference)."""
+    import torch.nn.functional as F
+
+    from isoexec.kernels.gdn.triton_backward import CPRTritonTrainerFunction
+
+    H, T, C = 32, 10240, cfg.kernels.chunk_size
+    x = (F.normalize(torch.randn(T, H, 128, device="cuda"), dim=-1), F.normalize(torch.randn(T, H, 128, device="cuda"), dim=-1),
+         torch.randn(T, H, 128, device="cuda"), F.logsigmoid(torch.randn(T, H, device="cuda")) * 0.1,
+         torch.rand(T, H, device="cuda"))
+    do = torch.randn_like(x[2])
+
+    def grads(tc):
+        ins = [t.detach().requires_grad_() for t in x]
+        return torch.autograd.grad(CPRTritonTrainerFunction.apply(*ins, [T], C, tc), ins, do)
+
+    base = grads(tc0)
+    for bv, warps in ((16, 4), (32, 4), (64, 4), (16, 8), (32, 8), (64, 8)):
+        cand = tc0.model_copy(update={"gdn_bwd_bv": bv, "gdn_bwd_warps": warps})
+        conf = f"gdn_bwd_bv={bv},gdn_bwd_warps={warps}"
+        try:
+            diff = max(float((a - b).norm() / b.norm()) for a, b in zip(grads(cand), base))
+            rec(what="cpr_bwd", config=conf, shape="trainer_fwd+bwd 1x10240 h32", ms=bench(lambda: grads(cand)),
+                rel_diff_vs_pinned=diff)
+        except Exception as e:
+            rec(what="cpr_bwd", config=conf, error=f"{type(e).__name__}: {str(e)[:200]}")
+
+
 def _variants_moe(models, bench, rec):
     from isoexec.kernels.moe import native as n_moe
 
@@ -697,8 +837,9 @@ def _variants_moe(models, bench, rec):
 
 # ------------------------------------------------------------------------------------- profile
 def cpr_breakdown(cfg, log=print, H=32) -> list[dict]:
-    """Where CPR's time goes: CUDA kernel time by kernel (torch.profiler) for trainer 1x10240,
-    prefill 5x2048 and 64 decode steps of 256 sequences (one chunk cycle, one resync)."""
+    """Where CPR's time goes: CUDA kernel time by kernel (torch.profiler) for trainer 1x10240 (forward,
+    and forward + the Triton backward), prefill 5x2048 and 64 decode steps of 256 sequences (one chunk
+    cycle, one resync)."""
     import torch.nn.functional as F
     from torch.profiler import ProfilerActivity, profile
 
@@ -722,7 +863,16 @@ def cpr_breakdown(cfg, log=print, H=32) -> list[dict]:
         for _ in range(C):
             _, states = t_gdn.cpr_gdn(*d, [1] * 256, states, C, tc)
 
+    from isoexec.kernels.gdn.triton_backward import CPRTritonTrainerFunction
+
+    do = torch.randn_like(a[2])
+
+    def trainer_fwd_bwd():
+        ins = [x.detach().requires_grad_() for x in a]
+        torch.autograd.grad(CPRTritonTrainerFunction.apply(*ins, [10240], C, tc), ins, do)
+
     stages = {"trainer_fwd 1x10240": lambda: t_gdn.cpr_gdn(*a, [10240], [None], C, tc, keep_state=False),
+              "trainer_fwd+bwd 1x10240": trainer_fwd_bwd,
               "rollout_prefill 5x2048": lambda: t_gdn.cpr_gdn(*b, [2048] * 5, [None] * 5, C, tc),
               f"rollout_decode 256x1 x{C} steps": decode_cycle}
     for stage, fn in stages.items():
@@ -738,7 +888,7 @@ def cpr_breakdown(cfg, log=print, H=32) -> list[dict]:
             dt = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
             if dt and ev.key and not ev.key.startswith(("aten::", "cuda")):  # device kernels and copies, not their callers
                 tot[ev.key] = tot.get(ev.key, 0.0) + dt / 1e3
-        for kname, ms in sorted(tot.items(), key=lambda kv: -kv[1])[:8]:
+        for kname, ms in sorted(tot.items(), key=lambda kv: -kv[1])[:12]:
             rows.append({"stage": stage, "kernel": kname[:60], "device_ms": ms, "wall_ms_profiled": wall})
             log(json.dumps(rows[-1]))
     return rows
@@ -779,7 +929,7 @@ def gpu_bench_command(config: str = "experiments/h200.yaml", out_dir: str | None
         write_csv(out / f"variants_{'_'.join(parts)}.csv", variants(cfg, log, extra, parts))
     if what in ("gates", "all"):
         prov["gates"] = gpu_gates(cfg, out, log)
-    tables = {"kernels": ("kernel_bench",), "cpr": ("cpr_layer",), "model": ("model_throughput",),
+    tables = {"kernels": ("kernel_bench",), "cpr": ("cpr_layer", "cpr_backward"), "model": ("model_throughput",),
               "bench": ("kernel_bench", "cpr_layer", "model_throughput"), "all": ("kernel_bench", "cpr_layer", "model_throughput")}
     if what in tables:
         steps = prov.get("bench", {})
@@ -787,6 +937,7 @@ def gpu_bench_command(config: str = "experiments/h200.yaml", out_dir: str | None
         prov["ceilings"] = ceil
         log(f"ceilings: {ceil}")
         for name, fn in (("kernel_bench", lambda: kernel_table(cfg, ceil, log, extra)), ("cpr_layer", lambda: cpr_table(cfg, log)),
+                         ("cpr_backward", lambda: cpr_backward_table(cfg, log)),
                          ("model_throughput", lambda: model_table(cfg, log))):
             if name not in tables[what]:
                 continue

@@ -1,10 +1,11 @@
 """Bitwise forward, reference backward: the one autograd wrapper every isoexec kernel set uses.
 
 IsoExec needs bitwise-identical forwards in every case (DESIGN §3); the backward "need not be
-bitwise". A region whose bitwise kernel has no derivative of its own (a Triton kernel, the CPR scan)
-is therefore wrapped so that its forward returns the kernel's bits and its gradient is that of a
-differentiable reference computing the same function (cuBLAS/torch math, transformers' chunked
-GDN).
+bitwise". A region whose bitwise kernel has no derivative of its own (a Triton GEMM, norm or attention
+kernel; fla's GDN forward in the native set) is therefore wrapped so that its forward returns the
+kernel's bits and its gradient is that of a differentiable reference computing the same function
+(cuBLAS/torch math, transformers' chunked GDN). The CPR GDN has backwards of its own (C on the CPU,
+Triton on sm90).
 """
 
 from __future__ import annotations

@@ -255,9 +255,7 @@ def _native(k, device: str) -> list[Impl]:
 def _isoexec_sm90(k) -> list[Impl]:
     from isoexec.kernels.attention import cpu as attn_cpu, rope, triton as attn
     from isoexec.kernels.conv import triton as conv
-    from isoexec.kernels import autograd
-    from isoexec.kernels.gdn import cpu as gdn_cpu, triton as gdn
-    from isoexec.kernels.gdn.native import chunk_reference
+    from isoexec.kernels.gdn import cpu as gdn_cpu, triton as gdn, triton_backward as gdn_bwd
     from isoexec.kernels.gemm import triton as gemm
     from isoexec.kernels.logprob import triton as logprob
     from isoexec.kernels.moe import cpu as moe_cpu, triton as moe
@@ -270,10 +268,7 @@ def _isoexec_sm90(k) -> list[Impl]:
             return gdn.cpr_gdn(q, k_, v, g, beta, lengths, states, k.chunk_size, t, keep_state=True)
         if any(s is not None for s in states):
             raise ValueError("trainer_fwd (grad=True) GDN starts from empty states")
-        o = autograd.with_ref_grad(
-            lambda *x: gdn.cpr_gdn(*x, lengths, [None] * len(lengths), k.chunk_size, t, keep_state=False)[0],
-            lambda *x: chunk_reference(lengths, k.chunk_size, *x), q, k_, v, g, beta)
-        return o, [None] * len(lengths)
+        return gdn_bwd.CPRTritonTrainerFunction.apply(q, k_, v, g, beta, lengths, k.chunk_size, t), [None] * len(lengths)
 
     V, A = "2", "sm90"
     acc = {"acc_dtype": "float32"}

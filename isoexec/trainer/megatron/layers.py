@@ -318,7 +318,8 @@ class IsoGatedDeltaNet(GatedDeltaNet):
 
     Args: Megatron's arguments plus ``kernels``. Forward: ``hidden_states [s(/tp), b, H]``,
     ``attention_mask`` (real lengths) -> (``[s(/tp), b, H]``, None); ``trainer_fwd`` (autograd enabled)
-    runs the CPR GDN with its reference backward.
+    runs the CPR GDN with the kernel set's backward (CPU: the C recurrence backward; sm90: the Triton
+    chunkwise backward of :mod:`isoexec.kernels.gdn.triton_backward`).
     """
 
     def __init__(self, *args, kernels: KernelSet, **kw):
