@@ -104,7 +104,10 @@ class TritonSection(_Section):
     gdn_dot_precision: Literal["tf32", "ieee"] = Field("tf32", description="state-pass dots (fp32 storage)")
     gdn_bwd_bv: PositiveInt = Field(32, description="CPR backward (trainer_fwd gradient): Dv columns per block. "
                                     "The backward is not bitwise, so not in the contract")
-    gdn_bwd_warps: PositiveInt = Field(4, description="CPR backward: warps per program (not in the contract)")
+    gdn_bwd_warps: PositiveInt = Field(4, description="CPR backward: warps per program of its chain, dv and dq/dk "
+                                       "kernels (not in the contract)")
+    gdn_bwd_prep_warps: PositiveInt = Field(4, description="CPR backward: warps per program of its prep kernel "
+                                            "(not in the contract)")
 
     @model_validator(mode="after")
     def _powers_of_two(self) -> "TritonSection":

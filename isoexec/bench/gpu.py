@@ -623,7 +623,7 @@ def variants(cfg, log=print, extra_models=(), parts=("gemm", "leaf", "attention"
     if "moe" in parts:
         _variants_moe(models, bench, rec)
     if "cpr_bwd" in parts:
-        _variants_cpr_backward(cfg, tc0, bench, rec)
+        _variants_cpr_backward(cfg, tc0, rec)
     return rows
 
 
@@ -783,33 +783,64 @@ def _variants_cpr(cfg, tc0, bench, rec, log):
             rec(what="cpr_decode", config=f"{sbv},{sw}", error=f"{type(e).__name__}: {str(e)[:200]}")
 
 
-def _variants_cpr_backward(cfg, tc0, bench, rec):
-    """The Triton CPR backward's launch (Dv block, warps) at trainer 1x10240 h32: forward + backward time,
-    each candidate's gradients against the pinned launch's (not bitwise: max relative difference)."""
-    import torch.nn.functional as F
+_CPR_BWD_CANDIDATE = r"""
+import json, sys, torch, triton.testing
+import torch.nn.functional as F
+from isoexec.config import TritonSection
+from isoexec.kernels.gdn.reference import recurrent_reference
+from isoexec.kernels.gdn.triton_backward import CPRTritonTrainerFunction
+triton_section, C, T, H = json.loads(sys.argv[1])
+tc = TritonSection(**triton_section)
 
-    from isoexec.kernels.gdn.triton_backward import CPRTritonTrainerFunction
+def inputs(T, H):
+    return (F.normalize(torch.randn(T, H, 128, device="cuda"), dim=-1), F.normalize(torch.randn(T, H, 128, device="cuda"), dim=-1),
+            torch.randn(T, H, 128, device="cuda"), F.logsigmoid(torch.randn(T, H, device="cuda")) * 0.1,
+            torch.rand(T, H, device="cuda"))
 
-    H, T, C = 32, 10240, cfg.kernels.chunk_size
-    x = (F.normalize(torch.randn(T, H, 128, device="cuda"), dim=-1), F.normalize(torch.randn(T, H, 128, device="cuda"), dim=-1),
-         torch.randn(T, H, 128, device="cuda"), F.logsigmoid(torch.randn(T, H, device="cuda")) * 0.1,
-         torch.rand(T, H, device="cuda"))
-    do = torch.randn_like(x[2])
+def grads(x, do, lens):
+    ins = [t.detach().requires_grad_() for t in x]
+    return torch.autograd.grad(CPRTritonTrainerFunction.apply(*ins, lens, C, tc), ins, do)
 
-    def grads(tc):
-        ins = [t.detach().requires_grad_() for t in x]
-        return torch.autograd.grad(CPRTritonTrainerFunction.apply(*ins, [T], C, tc), ins, do)
+torch.manual_seed(0)
+small, lens = inputs(300, 2), [200, 100]
+do = torch.randn_like(small[2])
+got = grads(small, do, lens)
+ins = [t.detach().cpu().double().requires_grad_() for t in small]
+o = torch.cat([recurrent_reference(*(t[:200] for t in ins))[0], recurrent_reference(*(t[200:] for t in ins))[0]])
+(o * do.cpu().double()).sum().backward()
+err = max(float((a.double().cpu() - t.grad).norm() / t.grad.norm()) for a, t in zip(got, ins))
+out = {"grad_rel_err_max": err}
+if T:
+    x = inputs(T, H)
+    dob = torch.randn_like(x[2])
+    out["ms"] = float(triton.testing.do_bench(lambda: grads(x, dob, [T]), warmup=5, rep=40, return_mode="median"))
+print(json.dumps(out))
+"""
 
-    base = grads(tc0)
-    for bv, warps in ((16, 4), (32, 4), (64, 4), (16, 8), (32, 8), (64, 8)):
-        cand = tc0.model_copy(update={"gdn_bwd_bv": bv, "gdn_bwd_warps": warps})
-        conf = f"gdn_bwd_bv={bv},gdn_bwd_warps={warps}"
-        try:
-            diff = max(float((a - b).norm() / b.norm()) for a, b in zip(grads(cand), base))
-            rec(what="cpr_bwd", config=conf, shape="trainer_fwd+bwd 1x10240 h32", ms=bench(lambda: grads(cand)),
-                rel_diff_vs_pinned=diff)
-        except Exception as e:
-            rec(what="cpr_bwd", config=conf, error=f"{type(e).__name__}: {str(e)[:200]}")
+
+def _variants_cpr_backward(cfg, tc0, rec):
+    """The Triton CPR backward's launches (Dv block, warps, prep warps) at trainer 1x10240 h32: forward +
+    backward time and the gradient error against the fp64 reference (two sequences, 300 tokens, h2). Each
+    candidate runs in a subprocess, so that a launch that faults cannot take the others down; a faulting
+    one is rerun with ``CUDA_LAUNCH_BLOCKING=1`` to name the kernel."""
+    import re
+    import subprocess
+
+    for bv, warps, prep_warps in ((32, 4, 4), (32, 4, 8), (16, 4, 8), (32, 8, 4), (16, 8, 4), (64, 8, 8)):
+        update = {"gdn_bwd_bv": bv, "gdn_bwd_warps": warps, "gdn_bwd_prep_warps": prep_warps}
+        conf = ",".join(f"{k}={v}" for k, v in update.items())
+        tc = tc0.model_copy(update=update).model_dump(mode="json")
+        C = cfg.kernels.chunk_size
+        run = subprocess.run([sys.executable, "-c", _CPR_BWD_CANDIDATE, json.dumps([tc, C, 10240, 32])],
+                             capture_output=True, text=True, timeout=300)
+        if run.returncode == 0:
+            rec(what="cpr_bwd", config=conf, shape="trainer_fwd+bwd 1x10240 h32", **json.loads(run.stdout.splitlines()[-1]))
+            continue
+        blocking = subprocess.run([sys.executable, "-c", _CPR_BWD_CANDIDATE, json.dumps([tc, C, 0, 0])],
+                                  capture_output=True, text=True, timeout=300, env={**os.environ, "CUDA_LAUNCH_BLOCKING": "1"})
+        launches = re.findall(r"(_\w+)\[\(", blocking.stderr)
+        rec(what="cpr_bwd", config=conf, error=(run.stderr.strip().splitlines() or ["?"])[-1][:200],
+            faulting_launch=launches[-1] if launches else "", blocking_rc=blocking.returncode)
 
 
 def _variants_moe(models, bench, rec):
@@ -929,7 +960,8 @@ def gpu_bench_command(config: str = "experiments/h200.yaml", out_dir: str | None
         write_csv(out / f"variants_{'_'.join(parts)}.csv", variants(cfg, log, extra, parts))
     if what in ("gates", "all"):
         prov["gates"] = gpu_gates(cfg, out, log)
-    tables = {"kernels": ("kernel_bench",), "cpr": ("cpr_layer", "cpr_backward"), "model": ("model_throughput",),
+    tables = {"kernels": ("kernel_bench",), "cpr": ("cpr_layer", "cpr_backward"), "cpr_backward": ("cpr_backward",),
+              "model": ("model_throughput",),
               "bench": ("kernel_bench", "cpr_layer", "model_throughput"), "all": ("kernel_bench", "cpr_layer", "model_throughput")}
     if what in tables:
         steps = prov.get("bench", {})
@@ -958,7 +990,7 @@ if __name__ == "__main__":
     import argparse
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("what", choices=["variants", "gates", "profile", "kernels", "cpr", "model", "bench", "all"])
+    p.add_argument("what", choices=["variants", "gates", "profile", "kernels", "cpr", "cpr_backward", "model", "bench", "all"])
     p.add_argument("--config", default="experiments/h200.yaml")
     p.add_argument("--extra-config", action="append", default=[], help="another experiment whose shapes the GEMM and attention rows add")
     p.add_argument("--out-dir", default=None)

@@ -33,7 +33,7 @@ MEGATRON_WORK=$(mktemp -d)
 M="-m isoexec.bench.megatron_gpu --config $CONFIG --work $MEGATRON_WORK"
 
 timed_stages() {
-  for s in variants profile kernels cpr model; do
+  for s in variants profile kernels cpr cpr_backward model; do
     if has $s; then
       CUDA_VISIBLE_DEVICES=0 timeout "$(eval echo \${T_${s^^}:-300})" $B $s --config "$CONFIG" --extra-config "$RLCONFIG" \
         --out-dir "$OUT/h200"

@@ -162,12 +162,12 @@ def _bwd_chain(qg_ptr, w_ptr, kd_ptr, p_ptr, dc_ptr, do_ptr, cmeta_ptr, smeta_pt
 
 
 @triton.jit
-def _bwd_dv(k_ptr, v_ptr, b_ptr, do_ptr, cmeta_ptr, t_ptr, w_ptr, u0_ptr, kd_ptr, qg_ptr, p_ptr, gc_ptr, e_ptr,
+def _bwd_dv(k_ptr, v_ptr, b_ptr, do_ptr, cmeta_ptr, t_ptr, w_ptr, u0_ptr, kd_ptr, p_ptr, gc_ptr, e_ptr,
             dse_ptr, u_ptr, dx_ptr, dv_ptr, part_ptr, H, NVB,
             C: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
     """Per Dv block: ``U``, ``dX``, ``dv`` and the block's share of the row sums over Dv that ``dbeta``
-    and ``dG`` need (``<dX, V - gam K S0>``, ``<dO, gam Q S0>``, ``<-beta gam dX, K S0>``, ``<U, KD dS1>``,
-    ``<dS1, S0>``), so that ``_bwd_dqk`` keeps two ``[C, Dk]`` accumulators."""
+    and ``dG`` need (``<dX, V - gam K S0>``, ``<-beta gam dX, K S0>``, ``<U, KD dS1>``, ``<dS1, S0>``), so
+    that ``_bwd_dqk`` keeps two ``[C, Dk]`` accumulators."""
     j = tl.program_id(0)
     h = tl.program_id(1)
     vb = tl.program_id(2)
@@ -200,8 +200,7 @@ def _bwd_dv(k_ptr, v_ptr, b_ptr, do_ptr, cmeta_ptr, t_ptr, w_ptr, u0_ptr, kd_ptr
     Vb = tl.load(v_ptr + r, mask=rmask, other=0.0)
     pb = tl.sum(dX * (Vb - gam[:, None] * KS0), axis=1)
     rkd = tl.sum(U * KDdS1, axis=1)
-    pg = tl.sum(dO * tl.dot(_tile(qg_ptr, j, h, H, DK, C), S0, input_precision=PREC), axis=1) - \
-        beta * gam * tl.sum(dX * KS0, axis=1) - rkd
+    pg = -beta * gam * tl.sum(dX * KS0, axis=1) - rkd
     pc = tl.sum(rkd, axis=0) + tl.sum(tl.sum(dS1 * S0, axis=1), axis=0) * tl.exp(tl.sum(tl.where(t == C - 1, G, 0.0)))
     base = (jh * NVB + vb) * (3 * C)
     tl.store(part_ptr + base + t, pb)
@@ -264,7 +263,7 @@ def _bwd_dqk(q_ptr, k_ptr, b_ptr, do_ptr, cmeta_ptr, gc_ptr, e_ptr, dse_ptr, u_p
     Q = _rows(q_ptr, row0, n, h, H, DK, C) * scale
     dP = tl.where(incl, dP, 0.0)
     Z = dP * (tl.dot(Q, tl.trans(K), input_precision=PREC) * gam_m) + R
-    dG += tl.sum(Z, axis=1) - tl.sum(Z, axis=0)
+    dG += tl.sum(Z, axis=1) - tl.sum(Z, axis=0) + tl.sum(dQ * Q, axis=1)  # the last: <dO, gam Q S0> per row
     dg = tl.cumsum(dG, axis=0, reverse=True)
     M = dP * gam_m
     R = dA * beta[:, None] * gam_m
@@ -284,7 +283,8 @@ def cpr_gdn_backward(q, k, v, g, beta, do, lengths: list[int], chunk_size: int, 
         q, k: ``[N, H, Dk]``; v, do: ``[N, H, Dv]``; g, beta: ``[N, H]`` (as given to the forward; q unscaled).
         lengths: tokens per sequence (sum N). chunk_size: C (a power of two, at least 16).
         cfg: ``isoexec.config.TritonSection`` (``gdn_dot_precision``; ``gdn_chain_bv`` / ``gdn_chain_warps``
-            for the recomputed forward state chain; ``gdn_bwd_bv`` / ``gdn_bwd_warps`` for the rest).
+            for the recomputed forward state chain; ``gdn_bwd_prep_warps`` for the prep; ``gdn_bwd_bv`` /
+            ``gdn_bwd_warps`` for the rest).
 
     Returns:
         ``(dq, dk, dv, dg, dbeta)``, fp32, shaped as the inputs. Not bitwise across layouts (a
@@ -330,7 +330,7 @@ def cpr_gdn_backward(q, k, v, g, beta, do, lengths: list[int], chunk_size: int, 
     prec = cfg.gdn_dot_precision
     _bwd_prep[(NC, H)](q, k, v, g, beta, m_c, T, W, U0, KD, Qg, P, Gc, dC, H, scale, C=C, BT=bt,
                        LOG2_BT=bt.bit_length() - 1, LOG2_NB=(C // bt).bit_length() - 1, DK=DK, DV=DV, PREC=prec, TPREC="tf32x3",
-                       num_warps=cfg.gdn_bwd_warps)
+                       num_warps=cfg.gdn_bwd_prep_warps)
     E = torch.empty((NC, H, DK, DV), **f32)  # exit state of every chunk but each sequence's last
     _state_chain[(S, H, DV // cfg.gdn_chain_bv)](E, W, U0, KD, dC, E, m_chain, H, C=C, DK=DK, DV=DV,
                                                  BV=cfg.gdn_chain_bv, PREC=prec, num_warps=cfg.gdn_chain_warps)
@@ -341,7 +341,7 @@ def cpr_gdn_backward(q, k, v, g, beta, do, lengths: list[int], chunk_size: int, 
                             num_warps=cfg.gdn_bwd_warps, num_stages=1)
     U, dX = torch.empty((NC, H, C, DV), **f32), torch.empty((NC, H, C, DV), **f32)
     part = torch.empty((NC, H, nvb, 3 * C), **f32)
-    _bwd_dv[(NC, H, nvb)](k, v, beta, do, m_c, T, W, U0, KD, Qg, P, Gc, E, dSe, U, dX, dv, part, H, nvb,
+    _bwd_dv[(NC, H, nvb)](k, v, beta, do, m_c, T, W, U0, KD, P, Gc, E, dSe, U, dX, dv, part, H, nvb,
                           C=C, DK=DK, DV=DV, BV=bv, PREC=prec, num_warps=cfg.gdn_bwd_warps)
     _bwd_dqk[(NC, H)](q, k, beta, do, m_c, Gc, E, dSe, U, dX, part, dq, dk_, db, dg, H, nvb, scale,
                       C=C, DK=DK, DV=DV, BV=bv, PREC=prec, num_warps=cfg.gdn_bwd_warps)
