@@ -120,6 +120,11 @@ class TritonSection(_Section):
             bad += [f"kernels.triton.gemm_bfloat16_by_rows[{i}] tile {t}" for t in b.tiles[:3] if t < 16 or t & (t - 1)]
         if bad:
             raise ValueError(f"must be powers of two (GEMM tiles >= 16): {', '.join(bad)}")
+        if self.gdn_bwd_warps >= 8 and self.gdn_bwd_bv < 32:
+            raise ValueError(f"kernels.triton.gdn_bwd_warps={self.gdn_bwd_warps} with gdn_bwd_bv={self.gdn_bwd_bv}: "
+                             "the CPR backward's _bwd_chain faults (illegal memory access) with 8 warps on 16-column "
+                             "blocks on an H200 with Triton 3.6.0 (results/h200/cpr_backward/); use gdn_bwd_bv >= 32 "
+                             "or gdn_bwd_warps = 4")
         rows = [b.max_rows for b in self.gemm_bfloat16_by_rows]
         if rows != sorted(set(rows)):
             raise ValueError(f"kernels.triton.gemm_bfloat16_by_rows: max_rows {rows} must be strictly ascending")

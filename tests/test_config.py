@@ -114,3 +114,11 @@ def test_gemm_row_buckets_pick_by_rows_and_must_ascend():
     with pytest.raises(ValidationError, match=r"max_rows \[512, 64\] must be strictly ascending"):
         TritonSection(gemm_bfloat16_by_rows=[{"max_rows": 512, "program": "tiled", "tiles": (64, 128, 64, 4, 4)},
                                              {"max_rows": 64, "program": "tiled", "tiles": (64, 128, 64, 4, 4)}])
+
+
+def test_triton_section_refuses_the_cpr_backward_launch_that_faults_on_the_h200():
+    from isoexec.config import TritonSection
+
+    with pytest.raises(ValueError, match="gdn_bwd_warps=8 with gdn_bwd_bv=16"):
+        TritonSection(gdn_bwd_warps=8, gdn_bwd_bv=16)
+    assert TritonSection(gdn_bwd_warps=8, gdn_bwd_bv=32).gdn_bwd_bv == 32
