@@ -283,6 +283,16 @@ def kernel_table(cfg, ceil: dict, log=print, extra_models=()) -> list[dict]:
 
 
 # ------------------------------------------------------------------------------------------- CPR
+def gdn_inputs(T: int, H: int, dk: int = 128, dv: int = 128):
+    """Random GDN inputs on CUDA for the benchmarks: q, k ``[T, H, dk]`` (l2-normalised), v ``[T, H, dv]``,
+    g ``[T, H]`` (``0.1 * logsigmoid``, a mild decay), beta ``[T, H]`` in [0, 1); fp32."""
+    import torch.nn.functional as F
+
+    return (F.normalize(torch.randn(T, H, dk, device="cuda"), dim=-1), F.normalize(torch.randn(T, H, dk, device="cuda"), dim=-1),
+            torch.randn(T, H, dv, device="cuda"), F.logsigmoid(torch.randn(T, H, device="cuda")) * 0.1,
+            torch.rand(T, H, device="cuda"))
+
+
 def cpr_table(cfg, log=print, hq=16, hv=32, dk=128, dv=128) -> list[dict]:
     """CPR per-layer latency (ms) for the blog's three stages and four strategies; q/k expanded to hv heads."""
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
@@ -294,12 +304,7 @@ def cpr_table(cfg, log=print, hq=16, hv=32, dk=128, dv=128) -> list[dict]:
     H = hv
 
     def inputs(T):
-        q = torch.nn.functional.normalize(torch.randn(T, H, dk, device=dev), dim=-1)
-        k = torch.nn.functional.normalize(torch.randn(T, H, dk, device=dev), dim=-1)
-        v = torch.randn(T, H, dv, device=dev)
-        g = torch.nn.functional.logsigmoid(torch.randn(T, H, device=dev)) * 0.1
-        b = torch.rand(T, H, device=dev)
-        return q, k, v, g, b
+        return gdn_inputs(T, H, dk, dv)
 
     def fla_chunk(q, k, v, g, b, lens, h0=None, bf16=True):
         cu = torch.tensor([0] + lens, device=dev).cumsum(0)
@@ -395,9 +400,9 @@ def _fla_gated_chunk_backward_unguarded():
         chunk_o.TRITON_ABOVE_3_7_1 = old
 
 
-def _trainer_fwd_bwd(cfg, q, k, v, g, b, lens, do, bf16=True) -> dict:
+def _trainer_fwd_bwd(cfg, q, k, v, g, b, lens, do) -> dict:
     """Callables running GDN forward + backward (``torch.autograd.grad`` of ``<o, do>``, returning the
-    gradients of q, k, v, g, beta) per strategy of the CPR table; fla's inputs cast to bf16 if ``bf16``."""
+    gradients of q, k, v, g, beta) per strategy of the CPR table; fla's q, k, v, beta cast to bf16 (as run)."""
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
 
     from isoexec.kernels.autograd import with_ref_grad
@@ -406,7 +411,8 @@ def _trainer_fwd_bwd(cfg, q, k, v, g, b, lens, do, bf16=True) -> dict:
 
     C, tc = cfg.kernels.chunk_size, cfg.kernels.triton
     cu = torch.tensor([0] + lens, device=q.device).cumsum(0)
-    cast = (lambda x: x.to(torch.bfloat16)) if bf16 else (lambda x: x)
+    def cast(x):
+        return x.to(torch.bfloat16)
 
     def fla(fn):
         return lambda q_, k_, v_, g_, b_: fn(cast(q_)[None], cast(k_)[None], cast(v_)[None], g=g_[None],
@@ -434,21 +440,14 @@ def cpr_backward_table(cfg, log=print, H=32) -> list[dict]:
     gradient's error against the fp64 token-by-token reference at 1x1024 (h4): ``||grad - ref|| / ||ref||``,
     the largest over q, k, v, g, beta. As the strategies run in the table and the trainers: fla with bf16
     q, k, v, beta (so its error includes that rounding), CPR with fp32 inputs and tf32 dots."""
-    import torch.nn.functional as F
-
     from isoexec.kernels.gdn.reference import recurrent_reference
 
-    def inputs(T, h):
-        return (F.normalize(torch.randn(T, h, 128, device="cuda"), dim=-1),
-                F.normalize(torch.randn(T, h, 128, device="cuda"), dim=-1), torch.randn(T, h, 128, device="cuda"),
-                F.logsigmoid(torch.randn(T, h, device="cuda")) * 0.1, torch.rand(T, h, device="cuda"))
-
-    small = inputs(1024, 4)
+    small = gdn_inputs(1024, 4)
     do_small = torch.randn_like(small[2])
     ins = [x.detach().cpu().double().requires_grad_() for x in small]
     (recurrent_reference(*ins)[0] * do_small.cpu().double()).sum().backward()
     fns = _trainer_fwd_bwd(cfg, *small, [1024], do_small)
-    big = inputs(10240, H)
+    big = gdn_inputs(10240, H)
     fns_big = _trainer_fwd_bwd(cfg, *big, [10240], torch.randn_like(big[2]))
     rows = []
     for name in fns:
@@ -731,17 +730,10 @@ def _variants_attention(models, bench, rec):
 
 
 def _variants_cpr(cfg, tc0, bench, rec, log):
-    import torch.nn.functional as F
-
     from isoexec.kernels.gdn import triton as t_gdn
 
-    dev = "cuda"
     H, T, C = 32, 10240, cfg.kernels.chunk_size
-    q = F.normalize(torch.randn(T, H, 128, device=dev), dim=-1)
-    k = F.normalize(torch.randn(T, H, 128, device=dev), dim=-1)
-    v = torch.randn(T, H, 128, device=dev)
-    g = F.logsigmoid(torch.randn(T, H, device=dev)) * 0.1
-    b = torch.rand(T, H, device=dev)
+    q, k, v, g, b = gdn_inputs(T, H)
     tc = tc0
     for names, opts in ((("gdn_scan_bv", "gdn_scan_warps"), ((8, 1), (16, 1), (16, 2), (32, 2), (32, 4))),
                         (("gdn_chain_bv", "gdn_chain_warps"), ((32, 4), (16, 4), (16, 2), (64, 4))),
@@ -786,24 +778,20 @@ def _variants_cpr(cfg, tc0, bench, rec, log):
 
 _CPR_BWD_CANDIDATE = r"""
 import json, sys, torch, triton.testing
-import torch.nn.functional as F
+from isoexec.bench.gpu import gdn_inputs
 from isoexec.config import TritonSection
 from isoexec.kernels.gdn.reference import recurrent_reference
 from isoexec.kernels.gdn.triton_backward import CPRTritonTrainerFunction
 triton_section, C, T, H = json.loads(sys.argv[1])
 tc = TritonSection(**triton_section)
 
-def inputs(T, H):
-    return (F.normalize(torch.randn(T, H, 128, device="cuda"), dim=-1), F.normalize(torch.randn(T, H, 128, device="cuda"), dim=-1),
-            torch.randn(T, H, 128, device="cuda"), F.logsigmoid(torch.randn(T, H, device="cuda")) * 0.1,
-            torch.rand(T, H, device="cuda"))
 
 def grads(x, do, lens):
     ins = [t.detach().requires_grad_() for t in x]
     return torch.autograd.grad(CPRTritonTrainerFunction.apply(*ins, lens, C, tc), ins, do)
 
 torch.manual_seed(0)
-small, lens = inputs(300, 2), [200, 100]
+small, lens = gdn_inputs(300, 2), [200, 100]
 do = torch.randn_like(small[2])
 got = grads(small, do, lens)
 ins = [t.detach().cpu().double().requires_grad_() for t in small]
@@ -812,7 +800,7 @@ o = torch.cat([recurrent_reference(*(t[:200] for t in ins))[0], recurrent_refere
 err = max(float((a.double().cpu() - t.grad).norm() / t.grad.norm()) for a, t in zip(got, ins))
 out = {"grad_rel_err_max": err}
 if T:
-    x = inputs(T, H)
+    x = gdn_inputs(T, H)
     dob = torch.randn_like(x[2])
     out["ms"] = float(triton.testing.do_bench(lambda: grads(x, dob, [T]), warmup=5, rep=40, return_mode="median"))
 print(json.dumps(out))
@@ -872,7 +860,6 @@ def cpr_breakdown(cfg, log=print, H=32) -> list[dict]:
     """Where CPR's time goes: CUDA kernel time by kernel (torch.profiler) for trainer 1x10240 (forward,
     and forward + the Triton backward), prefill 5x2048 and 64 decode steps of 256 sequences (one chunk
     cycle, one resync)."""
-    import torch.nn.functional as F
     from torch.profiler import ProfilerActivity, profile
 
     from isoexec.kernels.gdn import triton as t_gdn
@@ -880,9 +867,7 @@ def cpr_breakdown(cfg, log=print, H=32) -> list[dict]:
     C, tc = cfg.kernels.chunk_size, cfg.kernels.triton
 
     def inputs(T):
-        return (F.normalize(torch.randn(T, H, 128, device="cuda"), dim=-1), F.normalize(torch.randn(T, H, 128, device="cuda"), dim=-1),
-                torch.randn(T, H, 128, device="cuda"), F.logsigmoid(torch.randn(T, H, device="cuda")) * 0.1,
-                torch.rand(T, H, device="cuda"))
+        return gdn_inputs(T, H)
 
     rows = []
     a = inputs(10240)

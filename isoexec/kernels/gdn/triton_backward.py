@@ -74,6 +74,15 @@ def _put(ptr, x, j, h, H, D: tl.constexpr, C: tl.constexpr):
 
 
 @triton.jit
+def _state_blocks(e_ptr, dse_ptr, src, jh, h, H, cols, DK: tl.constexpr, DV: tl.constexpr):
+    """Columns ``cols`` of a chunk's entry state (``E[src]``, zeros when ``src < 0``) and of its exit-state
+    gradient (``dSe[jh]``), each ``[DK, len(cols)]``."""
+    s_offs = tl.arange(0, DK)[:, None] * DV + cols[None, :]
+    S0 = tl.load(e_ptr + (tl.maximum(src, 0).to(tl.int64) * H + h) * DK * DV + s_offs, mask=src >= 0, other=0.0)
+    return S0, tl.load(dse_ptr + jh * DK * DV + s_offs)
+
+
+@triton.jit
 def _gates(g, C: tl.constexpr):
     """``G = cumsum(g)``, ``exp(G)``, ``Gam`` (lower incl., zero above) and ``G_C`` of one chunk."""
     t = tl.arange(0, C)
@@ -175,12 +184,9 @@ def _bwd_dv(k_ptr, v_ptr, b_ptr, do_ptr, cmeta_ptr, t_ptr, w_ptr, u0_ptr, kd_ptr
     n = tl.load(cmeta_ptr + j * 3 + 1)
     src = tl.load(cmeta_ptr + j * 3 + 2)
     t = tl.arange(0, C)
-    dk = tl.arange(0, DK)
     cols = vb * BV + tl.arange(0, BV)
     jh = (j * H + h).to(tl.int64)
-    s_offs = dk[:, None] * DV + cols[None, :]
-    S0 = tl.load(e_ptr + (tl.maximum(src, 0).to(tl.int64) * H + h) * DK * DV + s_offs, mask=src >= 0, other=0.0)
-    dS1 = tl.load(dse_ptr + jh * DK * DV + s_offs)
+    S0, dS1 = _state_blocks(e_ptr, dse_ptr, src, jh, h, H, cols, DK, DV)
     rmask = (t < n)[:, None]
     r = ((row0 + t).to(tl.int64) * H + h)[:, None] * DV + cols[None, :]
     dO = tl.load(do_ptr + r, mask=rmask, other=0.0)
@@ -236,9 +242,7 @@ def _bwd_dqk(q_ptr, k_ptr, b_ptr, do_ptr, cmeta_ptr, gc_ptr, e_ptr, dse_ptr, u_p
     dG = tl.zeros((C,), dtype=tl.float32)
     for vb in range(0, NVB):
         cols = vb * BV + tl.arange(0, BV)
-        s_offs = dk[:, None] * DV + cols[None, :]
-        S0 = tl.load(e_ptr + (tl.maximum(src, 0).to(tl.int64) * H + h) * DK * DV + s_offs, mask=src >= 0, other=0.0)
-        dS1 = tl.load(dse_ptr + jh * DK * DV + s_offs)
+        S0, dS1 = _state_blocks(e_ptr, dse_ptr, src, jh, h, H, cols, DK, DV)
         dO = tl.load(do_ptr + ((row0 + t).to(tl.int64) * H + h)[:, None] * DV + cols[None, :], mask=rmask, other=0.0)
         ct = (jh * C + t)[:, None] * DV + cols[None, :]
         U = tl.load(u_ptr + ct)
