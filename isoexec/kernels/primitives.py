@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from isoexec.kernels.gemm.fma import fma_gemm
+from isoexec.kernels.gemm.fma import fma_gemm, pin_panels
 
 
 class _TileMM(torch.autograd.Function):
@@ -80,9 +80,9 @@ def tile_mm(x: torch.Tensor, w: torch.Tensor, row_tile: int, col_tile: int | Non
 def _fp32_kxm(w: torch.Tensor) -> torch.Tensor:
     """``w.t()`` as a contiguous fp32 ``[K, M]`` tensor, the same values whichever way it is obtained.
 
-    Without autograd the converted copy is kept on ``w`` itself and reused while ``w`` holds the same
-    storage at the same version: an engine converts each weight once per weight sync instead of once per
-    step. Weights are written through the parameter (an in-place write such as a weight sync's or an
+    Without autograd the converted copy, with the GEMM's packed panels pinned on it, is kept on ``w``
+    itself and reused while ``w`` holds the same storage at the same version: an engine converts and
+    packs each weight once per weight sync instead of once per step. Weights are written through the parameter (an in-place write such as a weight sync's or an
     optimizer's ``copy_`` bumps its version counter) or replaced (``.data = ...``: new storage), and
     either ends the reuse."""
     if torch.is_grad_enabled() and w.requires_grad:
@@ -95,6 +95,7 @@ def _fp32_kxm(w: torch.Tensor) -> torch.Tensor:
     if hit is not None and hit[0] == key:
         return hit[1]
     wt = w.t().to(torch.float32, memory_format=torch.contiguous_format)
+    pin_panels(wt)  # a private copy, never written
     w._isoexec_fp32_kxm = (key, wt)
     return wt
 

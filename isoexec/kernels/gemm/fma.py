@@ -19,7 +19,42 @@ the pik leaf GEMM, whose leaves then meet in the adjacent-pairs tree)."""
 def _lib() -> ctypes.CDLL:
     from isoexec.kernels.native_build import load_c_kernel
 
-    return load_c_kernel(str(Path(__file__).with_name("fma_gemm.c")))
+    lib = load_c_kernel(str(Path(__file__).with_name("fma_gemm.c")))
+    lib.isoexec_fma_panel_width.restype = ctypes.c_int64
+    return lib
+
+
+def _pack(w: torch.Tensor) -> torch.Tensor:
+    """``w [K, M]`` fp32 as the C kernel's column panels ``[ceil(M / NR), K, NR]``, zero past column M
+    (the same values, laid out so that a micro-tile streams its weights; see ``fma_gemm.c``)."""
+    nr = int(_lib().isoexec_fma_panel_width())
+    k, m = w.shape
+    p = -(-m // nr)
+    return torch.nn.functional.pad(w, (0, p * nr - m)).view(k, p, nr).transpose(0, 1).contiguous()
+
+
+def pin_panels(w: torch.Tensor) -> None:
+    """Pack ``w`` now and keep the panels on it for its lifetime: for a tensor its owner never writes
+    (:func:`isoexec.kernels.primitives.tile_linear`'s private fp32 copy of a weight, made under
+    vLLM's inference mode, where a tensor has no version counter to key a cache on)."""
+    w._isoexec_fma_panels = (None, _pack(w))
+
+
+def _panels(w: torch.Tensor) -> torch.Tensor:
+    """The panels of ``w``: pinned ones (:func:`pin_panels`), else kept on ``w`` and reused while ``w``
+    holds the same storage at the same version; an inference-mode tensor is packed on every call."""
+    hit = getattr(w, "_isoexec_fma_panels", None)
+    if hit is not None and hit[0] is None:
+        return hit[1]
+    try:
+        key = (w._version, w.data_ptr(), tuple(w.shape), w.stride())
+    except RuntimeError:  # an inference-mode tensor has no version counter
+        return _pack(w)
+    if hit is not None and hit[0] == key:
+        return hit[1]
+    panels = _pack(w)
+    w._isoexec_fma_panels = (key, panels)
+    return panels
 
 
 def fma_gemm(x: torch.Tensor, w: torch.Tensor, row_tile: int, col_tile: int | None = None,
@@ -30,7 +65,8 @@ def fma_gemm(x: torch.Tensor, w: torch.Tensor, row_tile: int, col_tile: int | No
 
     Args:
         x: ``[N, K]`` float32 (any N >= 0; a column stride other than 1 is copied).
-        w: ``[K, M]`` float32 (copied contiguous if its columns are not).
+        w: ``[K, M]`` float32 (any strides: packed into the kernel's column panels, kept on ``w``
+            while it is unchanged).
         row_tile: rows per cache block (contract constant ``row_tile``, rounded up to a multiple of 4;
             moves no bit).
         col_tile: columns per cache block (contract constant ``col_tile``, rounded up to a multiple of
@@ -59,12 +95,11 @@ def fma_gemm(x: torch.Tensor, w: torch.Tensor, row_tile: int, col_tile: int | No
     if leaves < 1 or leaves & (leaves - 1) or k % leaves:
         raise ValueError(f"fma_gemm leaves={leaves} must be a power of two dividing K={k}")
     x = x if x.stride(1) == 1 or k <= 1 else x.contiguous()
-    w = w if w.stride(1) == 1 or m <= 1 else w.contiguous()
     y = torch.empty((n, m), dtype=torch.float32)
     if n and m:
         p = lambda t: ctypes.c_void_p(t.data_ptr())  # noqa: E731
         i = ctypes.c_int64
-        if _lib().isoexec_fma_gemm(p(x), p(w), p(y), i(n), i(k), i(m), i(x.stride(0)), i(w.stride(0)), i(m),
+        if _lib().isoexec_fma_gemm(p(x), p(_panels(w)), p(y), i(n), i(k), i(m), i(x.stride(0)), i(m),
                                    i(row_tile), i(col_tile), i(leaves)):
             raise MemoryError(f"fma_gemm: no memory for the scratch of {leaves} leaves")
     return y
