@@ -218,3 +218,52 @@ def test_tile_linear_reuses_a_weight_conversion_only_while_the_weight_is_unchang
     assert torch.equal(tile_linear(x, w, 4), ref) and not torch.equal(ref, y0)
     w.data = torch.randn(12, 8).to(torch.bfloat16)  # replaced storage
     assert torch.equal(tile_linear(x, w, 4), tile_linear(x, w.detach().clone(), 4))
+
+
+def _bf16_operands(g, n, k, m, subnormal: bool = False):
+    """Random bf16 x [n, k], w [k, m]; ``subnormal``: a third of the entries with exponents at the bottom of
+    the range (bf16 subnormals, and products that underflow), to exercise the kernel's flushes."""
+    x, w = torch.randn(n, k, generator=g), torch.randn(k, m, generator=g)
+    if subnormal:
+        for t in (x, w):
+            tiny = torch.rand(t.shape, generator=g) < 0.33
+            t[tiny] *= 2.0 ** -130
+    return x.bfloat16(), w.bfloat16()
+
+
+def test_bf16_pair_gemm_simd_path_equals_the_scalar_chain_and_is_batch_column_and_tp_invariant():
+    """``bf16_pair_gemm`` (bf16_gemm.c): where the CPU has AVX512_BF16, ``VDPBF16PS`` gives the bits of the
+    scalar chain the C file spells out (fmaf per pair, odd element first, subnormals flushed), on random and
+    subnormal-heavy operands; a row's bits do not depend on the other rows, a column's not on the other
+    columns or the tiles, and a TP rank's K leaves combined by the fixed tree give the full product's bits.
+    Negative control: the fp32 chain of ``fma_gemm`` (k ascending, no flush) differs on some elements."""
+    from isoexec.kernels.collectives.pik import pik_tree_combine
+    from isoexec.kernels.gemm.fma import bf16_pair_gemm, bf16_simd, fma_gemm
+
+    g = torch.Generator().manual_seed(0)
+    differs_from_fp32_chain = False
+    for n, k, m, sub in [(37, 128, 1024, False), (37, 128, 130, True), (5, 97, 64, True), (150, 256, 70, False),
+                         (3, 64, 4, True)]:
+        x, w = _bf16_operands(g, n, k, m, sub)
+        ref = bf16_pair_gemm(x, w, 64, 64, simd=False)
+        assert torch.equal(bf16_pair_gemm(x, w, 64, 64), ref), (n, k, m, sub, bf16_simd())
+        alone = bf16_pair_gemm(x[:1], w, 64, 64)
+        for rows in (2, 3, 5, 17, n):
+            assert torch.equal(bf16_pair_gemm(x[:rows], w, 64, 64)[:1], alone), (n, k, m, rows)
+        for rt, ct in [(1, 1), (4, 3), (16, None)]:
+            assert torch.equal(bf16_pair_gemm(x, w, rt, ct), ref), (n, k, m, rt, ct)
+        perm = torch.randperm(m, generator=g)
+        assert torch.equal(bf16_pair_gemm(x, w[:, perm], 64, 64), ref[:, perm])
+        assert torch.allclose(ref.double(), x.double() @ w.double(), rtol=0, atol=1e-4 * k ** 0.5)
+        differs_from_fp32_chain |= not torch.equal(fma_gemm(x.float(), w.float(), 64, 64), ref)
+    assert differs_from_fp32_chain
+    x, w = _bf16_operands(g, 33, 256, 96)
+    full = bf16_pair_gemm(x, w, 16, 64, leaves=8)
+    for tp in (2, 4):
+        s = 256 // tp
+        parts = [bf16_pair_gemm(x[:, r * s:(r + 1) * s], w[r * s:(r + 1) * s], 16, 64, leaves=8 // tp) for r in range(tp)]
+        assert torch.equal(pik_tree_combine(parts), full), tp
+    with pytest.raises(ValueError, match="bfloat16"):
+        bf16_pair_gemm(x.float(), w, 16)
+    with pytest.raises(ValueError, match="leaves=3"):
+        bf16_pair_gemm(x, w, 16, leaves=3)

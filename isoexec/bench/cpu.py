@@ -8,6 +8,9 @@ committed) or the ``--out-dir`` given; the committed reference is ``results/cpu-
 experiment trains with Megatron (``trainer.backend: megatron``), also the trainer-step and pik
 row-parallel tables of :mod:`isoexec.bench.megatron_cpu` (``megatron_step.csv``, ``pik_row_parallel.csv``).
 
+GEMM kernels: ``gemm_kernels.csv`` (:mod:`isoexec.bench.gemm_cpu`) times the isoexec fp32 chain GEMM, the
+bf16 pair-chain GEMM and torch's bf16 linear at the model's shapes.
+
 Where the time goes: ``region_times.csv`` splits ``trainer_score``, ``engine_prefill`` and
 ``engine_decode`` of both sets by kernel region (wall ms per case, medians over the repeats; every
 region call timed, the model's glue between regions on the ``(outside regions)`` row).
@@ -185,6 +188,15 @@ def bench_command(
     atomic_write_text(out / "region_times.provenance.json", prov)
     for r in sorted((r for r in regions if r["case"] == "engine_decode"), key=lambda r: -r["isoexec_ms"])[:6]:
         typer.echo(f"engine_decode {r['region']:20s} native {r['native_ms']:8.2f} ms  isoexec {r['isoexec_ms']:8.2f} ms")
+    from isoexec.bench.gemm_cpu import gemm_kernel_times
+
+    gemms = gemm_kernel_times(cfg.model, {"trainer": batch * seq_len, "engine_decode": decode_seqs}, cfg.kernels.row_tile,
+                              cfg.kernels.col_tile, repeats)
+    write_csv(out / "gemm_kernels.csv", gemms)
+    atomic_write_text(out / "gemm_kernels.provenance.json", prov)
+    for r in gemms:
+        typer.echo(f"gemm {r['case']:13s} {r['region']:24s} fp32 chain {r['fma_ms']:7.3f} ms  bf16 pairs "
+                   f"{r['bf16_pairs_ms']:7.3f} ms  torch bf16 {r['torch_bf16_ms']:7.3f} ms")
     if "megatron" in {cfg.trainer.backend_for(m) for m in cfg.rl.modes}:
         from isoexec.bench.megatron_cpu import megatron_bench
 

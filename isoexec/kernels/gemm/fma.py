@@ -1,6 +1,14 @@
-"""The CPU GEMM kernel of the isoexec set: ``fma_gemm.c`` (one ascending fused-multiply-add chain
-over K per output element, so its bits depend on nothing but that element's row of ``x`` and column
-of ``w``; see the C file's header), built by :mod:`isoexec.kernels.native_build`."""
+"""The CPU GEMM kernels of the isoexec set, built by :mod:`isoexec.kernels.native_build`:
+
+* ``fma_gemm.c`` (:func:`fma_gemm`, every isoexec CPU GEMM region): one ascending fused-multiply-add
+  chain over K per output element, so its bits depend on nothing but that element's row of ``x`` and
+  column of ``w`` (see the C file's header);
+* ``bf16_gemm.c`` (:func:`bf16_pair_gemm`): the same invariances for bf16 operands with the chain taken
+  in k pairs as the AVX512-BF16 instruction ``VDPBF16PS`` defines it (two FMAs per pair, odd element
+  first, subnormals flushed), so that a CPU with that instruction does 32 multiply-adds per vector
+  instruction instead of 16. Not yet a region's kernel: its bits differ from ``fma_gemm``'s, so taking
+  it into the set is a contract change (new ``k_order``) with regenerated reference results;
+  ``isoexec bench`` times it beside ``fma_gemm`` at the model's shapes (``gemm_kernels.csv``)."""
 
 from __future__ import annotations
 
@@ -13,6 +21,10 @@ import torch
 K_ORDER = "ascending_fmaf_chain"
 """Contract value of the GEMM's summation: ``acc = fmaf(x[i, k], w[k, j], acc)`` for k ascending from 0 (per leaf, for
 the pik leaf GEMM, whose leaves then meet in the adjacent-pairs tree)."""
+
+K_ORDER_BF16_PAIRS = "ascending_bf16_pairs_odd_first_fmaf_daz_ftz"
+"""Contract value of :func:`bf16_pair_gemm`'s summation (``bf16_gemm.c``): per k pair, ascending,
+``fmaf`` of the odd element then of the even one, subnormal inputs and results flushed (``VDPBF16PS``)."""
 
 
 @cache
@@ -40,20 +52,21 @@ def pin_panels(w: torch.Tensor) -> None:
     w._isoexec_fma_panels = (None, _pack(w))
 
 
-def _panels(w: torch.Tensor) -> torch.Tensor:
-    """The panels of ``w``: pinned ones (:func:`pin_panels`), else kept on ``w`` and reused while ``w``
-    holds the same storage at the same version; an inference-mode tensor is packed on every call."""
-    hit = getattr(w, "_isoexec_fma_panels", None)
+def _panels(w: torch.Tensor, attr: str = "_isoexec_fma_panels", pack=_pack) -> torch.Tensor:
+    """The panels of ``w`` (``pack(w)``, kept on ``w`` under ``attr``): pinned ones (:func:`pin_panels`),
+    else reused while ``w`` holds the same storage at the same version; an inference-mode tensor is
+    packed on every call."""
+    hit = getattr(w, attr, None)
     if hit is not None and hit[0] is None:
         return hit[1]
     try:
         key = (w._version, w.data_ptr(), tuple(w.shape), w.stride())
     except RuntimeError:  # an inference-mode tensor has no version counter
-        return _pack(w)
+        return pack(w)
     if hit is not None and hit[0] == key:
         return hit[1]
-    panels = _pack(w)
-    w._isoexec_fma_panels = (key, panels)
+    panels = pack(w)
+    setattr(w, attr, (key, panels))
     return panels
 
 
@@ -102,4 +115,81 @@ def fma_gemm(x: torch.Tensor, w: torch.Tensor, row_tile: int, col_tile: int | No
         if _lib().isoexec_fma_gemm(p(x), p(_panels(w)), p(y), i(n), i(k), i(m), i(x.stride(0)), i(m),
                                    i(row_tile), i(col_tile), i(leaves)):
             raise MemoryError(f"fma_gemm: no memory for the scratch of {leaves} leaves")
+    return y
+
+
+@cache
+def _bf16_lib() -> ctypes.CDLL:
+    from isoexec.kernels.native_build import load_c_kernel
+
+    lib = load_c_kernel(str(Path(__file__).with_name("bf16_gemm.c")))
+    lib.isoexec_bf16_panel_width.restype = ctypes.c_int64
+    return lib
+
+
+def bf16_simd() -> bool:
+    """Whether ``bf16_gemm.c`` was built with ``VDPBF16PS`` (this CPU has AVX512_BF16); else it runs
+    the same chain as scalar code."""
+    return bool(_bf16_lib().isoexec_bf16_has_simd())
+
+
+def _pack_bf16(w: torch.Tensor) -> torch.Tensor:
+    """``w [K, M]`` bf16 as ``bf16_gemm.c``'s panels ``[ceil(M / NR), ceil(K / 2), NR, 2]`` (k pairs of
+    each column side by side), zero past column M and, for K odd, one zero feature appended."""
+    nr = int(_bf16_lib().isoexec_bf16_panel_width())
+    k, m = w.shape
+    p, kp = -(-m // nr), k + k % 2
+    w = torch.nn.functional.pad(w, (0, p * nr - m, 0, kp - k))
+    return w.view(kp // 2, 2, p, nr).permute(2, 0, 3, 1).contiguous()
+
+
+def bf16_pair_gemm(x: torch.Tensor, w: torch.Tensor, row_tile: int, col_tile: int | None = None,
+                   leaves: int = 1, simd: bool = True) -> torch.Tensor:
+    """``x @ w`` of bf16 operands in fp32, each output one chain over the k pairs as ``VDPBF16PS``
+    computes it (``bf16_gemm.c``: per pair, ascending, ``fmaf`` of the odd element then of the even
+    one, subnormals flushed), or with ``leaves`` > 1 the adjacent-pairs tree over the chains of
+    ``leaves`` contiguous K leaves. Batch- and column-invariant like :func:`fma_gemm`; not differentiable.
+
+    Args:
+        x: ``[N, K]`` bfloat16 on the CPU (K odd: a zero feature is appended to x and w).
+        w: ``[K, M]`` bfloat16 (packed into the kernel's panels, kept on ``w`` while it is unchanged).
+        row_tile, col_tile: cache blocks (contract constants; they move no bit). col_tile None: all M.
+        leaves: L, contiguous K leaves (a power of two with K / L even).
+        simd: False runs the scalar chain even where ``VDPBF16PS`` exists (same bits; the tests
+            compare the two).
+
+    Returns:
+        ``[N, M]`` float32; element (i, j) depends only on ``x[i]`` and ``w[:, j]``.
+
+    Raises:
+        ValueError: dtypes other than bfloat16, tensors not on the CPU, shapes that do not chain, a tile
+            < 1, ``leaves`` not a power of two or K / ``leaves`` odd.
+        MemoryError: the kernel's scratch cannot be allocated.
+    """
+    if x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16:
+        raise ValueError(f"bf16_pair_gemm takes bfloat16 x and w, got {x.dtype} and {w.dtype}")
+    if x.device.type != "cpu" or w.device.type != "cpu":
+        raise ValueError(f"bf16_pair_gemm runs on CPU tensors, got x on {x.device} and w on {w.device}")
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[0]:
+        raise ValueError(f"bf16_pair_gemm needs x [N, K] and w [K, M], got {tuple(x.shape)} and {tuple(w.shape)}")
+    n, k = x.shape
+    m = w.shape[1]
+    col_tile = max(m, 1) if col_tile is None else col_tile
+    if row_tile < 1 or col_tile < 1:
+        raise ValueError(f"bf16_pair_gemm tiles must be >= 1, got row_tile={row_tile}, col_tile={col_tile}")
+    kp = k + k % 2
+    if leaves < 1 or leaves & (leaves - 1) or kp % (2 * leaves):
+        raise ValueError(f"bf16_pair_gemm leaves={leaves} must be a power of two with K/leaves even (K={k})")
+    if k % 2:
+        x = torch.nn.functional.pad(x, (0, 1))
+    elif x.stride(1) != 1:
+        x = x.contiguous()
+    y = torch.empty((n, m), dtype=torch.float32)
+    if n and m:
+        p = lambda t: ctypes.c_void_p(t.data_ptr())  # noqa: E731
+        i = ctypes.c_int64
+        panels = _panels(w, "_isoexec_bf16_panels", _pack_bf16)
+        if _bf16_lib().isoexec_bf16_gemm(p(x), p(panels), p(y), i(n), i(kp), i(m), i(x.stride(0)), i(m), i(row_tile),
+                                         i(col_tile), i(leaves), ctypes.c_int(int(simd))):
+            raise MemoryError("bf16_pair_gemm: no memory for the kernel's scratch")
     return y
