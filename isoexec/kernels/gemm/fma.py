@@ -70,6 +70,22 @@ def _panels(w: torch.Tensor, attr: str = "_isoexec_fma_panels", pack=_pack) -> t
     return panels
 
 
+def _check_operands(name: str, x: torch.Tensor, w: torch.Tensor, dtype: torch.dtype, row_tile: int,
+                    col_tile: int | None) -> tuple[int, int, int, int]:
+    """(N, K, M, col_tile with None as all M) of a CPU GEMM call, or ValueError naming what is wrong: a dtype
+    other than ``dtype``, a tensor not on the CPU, shapes that do not chain, a tile < 1."""
+    if x.dtype != dtype or w.dtype != dtype:
+        raise ValueError(f"{name} takes {str(dtype).removeprefix('torch.')} x and w, got {x.dtype} and {w.dtype}")
+    if x.device.type != "cpu" or w.device.type != "cpu":
+        raise ValueError(f"{name} runs on CPU tensors, got x on {x.device} and w on {w.device}")
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[0]:
+        raise ValueError(f"{name} needs x [N, K] and w [K, M], got {tuple(x.shape)} and {tuple(w.shape)}")
+    col_tile = max(w.shape[1], 1) if col_tile is None else col_tile
+    if row_tile < 1 or col_tile < 1:
+        raise ValueError(f"{name} tiles must be >= 1, got row_tile={row_tile}, col_tile={col_tile}")
+    return x.shape[0], x.shape[1], w.shape[1], col_tile
+
+
 def fma_gemm(x: torch.Tensor, w: torch.Tensor, row_tile: int, col_tile: int | None = None,
              leaves: int = 1) -> torch.Tensor:
     """``x @ w`` in fp32, each output one ascending FMA chain over K, or with ``leaves`` > 1 the
@@ -94,17 +110,7 @@ def fma_gemm(x: torch.Tensor, w: torch.Tensor, row_tile: int, col_tile: int | No
         ValueError: a dtype other than float32, a tensor not on the CPU, non-2-D inputs, mismatched K,
             a tile < 1, or ``leaves`` not a power of two dividing K.
     """
-    if x.dtype != torch.float32 or w.dtype != torch.float32:
-        raise ValueError(f"fma_gemm takes float32 x and w, got {x.dtype} and {w.dtype}")
-    if x.device.type != "cpu" or w.device.type != "cpu":
-        raise ValueError(f"fma_gemm runs on CPU tensors, got x on {x.device} and w on {w.device}")
-    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[0]:
-        raise ValueError(f"fma_gemm needs x [N, K] and w [K, M], got {tuple(x.shape)} and {tuple(w.shape)}")
-    n, k = x.shape
-    m = w.shape[1]
-    col_tile = max(m, 1) if col_tile is None else col_tile
-    if row_tile < 1 or col_tile < 1:
-        raise ValueError(f"fma_gemm tiles must be >= 1, got row_tile={row_tile}, col_tile={col_tile}")
+    n, k, m, col_tile = _check_operands("fma_gemm", x, w, torch.float32, row_tile, col_tile)
     if leaves < 1 or leaves & (leaves - 1) or k % leaves:
         raise ValueError(f"fma_gemm leaves={leaves} must be a power of two dividing K={k}")
     x = x if x.stride(1) == 1 or k <= 1 else x.contiguous()
@@ -166,17 +172,7 @@ def bf16_pair_gemm(x: torch.Tensor, w: torch.Tensor, row_tile: int, col_tile: in
             < 1, ``leaves`` not a power of two or K / ``leaves`` odd.
         MemoryError: the kernel's scratch cannot be allocated.
     """
-    if x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16:
-        raise ValueError(f"bf16_pair_gemm takes bfloat16 x and w, got {x.dtype} and {w.dtype}")
-    if x.device.type != "cpu" or w.device.type != "cpu":
-        raise ValueError(f"bf16_pair_gemm runs on CPU tensors, got x on {x.device} and w on {w.device}")
-    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[0]:
-        raise ValueError(f"bf16_pair_gemm needs x [N, K] and w [K, M], got {tuple(x.shape)} and {tuple(w.shape)}")
-    n, k = x.shape
-    m = w.shape[1]
-    col_tile = max(m, 1) if col_tile is None else col_tile
-    if row_tile < 1 or col_tile < 1:
-        raise ValueError(f"bf16_pair_gemm tiles must be >= 1, got row_tile={row_tile}, col_tile={col_tile}")
+    n, k, m, col_tile = _check_operands("bf16_pair_gemm", x, w, torch.bfloat16, row_tile, col_tile)
     kp = k + k % 2
     if leaves < 1 or leaves & (leaves - 1) or kp % (2 * leaves):
         raise ValueError(f"bf16_pair_gemm leaves={leaves} must be a power of two with K/leaves even (K={k})")
