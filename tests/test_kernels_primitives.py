@@ -6,11 +6,13 @@ import torch
 from isoexec.kernels.primitives import sigmoid, silu, softplus, tile_mm, tree_sum
 
 
-def test_tile_mm_row_bits_independent_of_row_count_and_position():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tile_mm_row_bits_independent_of_row_count_and_position(dtype):
+    """Both C GEMMs: fp32 operands (fma_gemm.c) and bf16 operands (bf16_gemm.c)."""
     torch.manual_seed(0)
     for rt, k, m in [(16, 64, 1), (16, 64, 4), (16, 128, 512), (16, 512, 128), (16, 32, 96), (64, 128, 64), (64, 8, 128)]:
-        w = torch.randn(k, m)
-        x = torch.randn(150, k)
+        w = torch.randn(k, m).to(dtype)
+        x = torch.randn(150, k).to(dtype)
         alone = tile_mm(x[:1], w, rt)
         for n in (2, 3, 5, 16, 17, 70, 150):
             assert torch.equal(tile_mm(x[:n], w, rt)[:1], alone), (rt, k, m, n)
@@ -88,17 +90,19 @@ def test_causal_conv1d_bits_per_position_whatever_the_pieces_and_autograd():
     assert all(torch.equal(a.detach(), b) for a, b in zip(yg, yf)) and xg[0].grad is not None
 
 
-def test_tile_mm_column_bits_independent_of_position_neighbours_and_tiles():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tile_mm_column_bits_independent_of_position_neighbours_and_tiles(dtype):
     """Why a tensor-parallel rank's output features reproduce the full product's columns: in
     ``tile_mm`` a column's bits depend neither on its position, nor on the other columns, nor on the
     cache tiles (``row_tile``, ``col_tile``), one column alone included; ``iso_linear`` on a permuted,
-    unaligned shard == that shard of ``iso_linear``. The values are the product's (fp64 reference)."""
+    unaligned shard == that shard of ``iso_linear``. The values are the product's (fp64 reference).
+    Both C GEMMs: fp32 operands (fma_gemm.c) and bf16 operands (bf16_gemm.c)."""
     from isoexec.kernels.gemm.cpu import iso_linear
 
     g = torch.Generator().manual_seed(0)
     for k, m in [(64, 16), (128, 130), (512, 8), (1024, 2), (128, 64), (7, 65)]:
-        x = torch.randn(37, k, generator=g)
-        w = torch.randn(k, m, generator=g)
+        x = torch.randn(37, k, generator=g).to(dtype)
+        w = torch.randn(k, m, generator=g).to(dtype)
         ref = tile_mm(x, w, 64)
         assert torch.allclose(ref.double(), x.double() @ w.double(), rtol=0, atol=1e-4 * k ** 0.5), (k, m)
         for rt, ct in [(1, 1), (4, 3), (16, 16), (64, 64), (5, None)]:
@@ -106,10 +110,10 @@ def test_tile_mm_column_bits_independent_of_position_neighbours_and_tiles():
         perm = torch.randperm(m, generator=g)
         assert torch.equal(tile_mm(x, w[:, perm], 64), ref[:, perm]), (k, m)
         assert torch.equal(tile_mm(x, w[:, :1], 64), ref[:, :1]), (k, m)
-        other = torch.randn(k, m, generator=g)
+        other = torch.randn(k, m, generator=g).to(dtype)
         other[:, 0] = w[:, 0]
         assert torch.equal(tile_mm(x, other, 64)[:, 0], ref[:, 0]), (k, m)
-    x, w = torch.randn(37, 128, generator=g), torch.randn(200, 128, generator=g)
+    x, w = torch.randn(37, 128, generator=g).to(dtype), torch.randn(200, 128, generator=g).to(dtype)
     full = iso_linear(x, w, 16, 16, torch.float32)
     shard = torch.cat([torch.arange(150, 200), torch.arange(3, 40)])  # a permuted, unaligned subset
     assert torch.equal(iso_linear(x, w[shard], 16, 16, torch.float32), full[:, shard])
@@ -152,8 +156,18 @@ def test_tile_mm_bf16_backward_is_the_bf16_matmul_gradient():
 
 
 def test_tile_mm_refuses_other_dtypes_and_shapes():
-    with pytest.raises(ValueError, match="float32 x and w, got torch.bfloat16"):
-        tile_mm(torch.zeros(2, 3, dtype=torch.bfloat16), torch.zeros(3, 4), 16)
+    """Operands of two dtypes, or of one the C GEMMs do not take, are refused by name (bf16 x picks the
+    bf16 kernel, anything else the fp32 one); so is a bf16 activation with a weight of another dtype."""
+    from isoexec.kernels.primitives import tile_linear
+
+    with pytest.raises(ValueError, match="bfloat16 x and w, got torch.bfloat16 and torch.float32"):
+        tile_mm(torch.zeros(2, 4, dtype=torch.bfloat16), torch.zeros(4, 4), 16)
+    with pytest.raises(ValueError, match="float32 x and w, got torch.float32 and torch.bfloat16"):
+        tile_mm(torch.zeros(2, 3), torch.zeros(3, 4, dtype=torch.bfloat16), 16)
+    with pytest.raises(ValueError, match="float32 x and w, got torch.float16"):
+        tile_mm(torch.zeros(2, 3, dtype=torch.float16), torch.zeros(3, 4, dtype=torch.float16), 16)
+    with pytest.raises(ValueError, match="bfloat16 activations need a bfloat16 weight, got torch.float32"):
+        tile_linear(torch.zeros(2, 4, dtype=torch.bfloat16), torch.zeros(5, 4), 16)
     with pytest.raises(ValueError, match=r"x \[N, K\] and w \[K, M\], got \(2, 3\) and \(4, 4\)"):
         tile_mm(torch.zeros(2, 3), torch.zeros(4, 4), 16)
     with pytest.raises(ValueError, match="tiles must be >= 1, got row_tile=0"):

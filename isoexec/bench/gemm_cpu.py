@@ -1,7 +1,7 @@
 """The CPU GEMM kernels side by side at the model's shapes (``gemm_kernels.csv``, part of ``isoexec bench``):
-``fma_gemm`` (the isoexec set's GEMM: one fp32 FMA chain per output), ``bf16_pair_gemm`` (the same
-invariances with the chain in k pairs as ``VDPBF16PS`` computes it; not yet a region's kernel, see
-:mod:`isoexec.kernels.gemm.fma`) and ``torch.nn.functional.linear`` in bf16 (the native set's GEMM,
+``fma_gemm`` (one fp32 FMA chain per output: the isoexec set's GEMM for an fp32 model, and before
+2026-12-03 for every model), ``bf16_pair_gemm`` (the chain in k pairs as ``VDPBF16PS`` computes it: the
+isoexec set's GEMM for a bf16 model) and ``torch.nn.functional.linear`` in bf16 (the native set's GEMM,
 oneDNN; not batch-invariant). Weights are packed once before timing, as an engine's are between weight
 syncs; the three run interleaved in one process, medians over the repeats."""
 

@@ -5,9 +5,10 @@ Why these exist (measured on the project's CPUs, see ``tests/test_kernels_primit
 
 * ``torch.matmul`` in fp32 picks a different MKL kernel for 1, 2-3 and >= 4 rows, so the bits of a
   row depend on how many rows are in the call (``tests/test_kernels_primitives.py`` keeps that as the
-  negative control). :func:`tile_mm` runs the project's C GEMM instead
-  (:mod:`isoexec.kernels.gemm.fma`): one ascending fused-multiply-add chain over K per output element,
-  so a row's bits depend neither on the other rows nor on the other columns, nor on the cache tiles.
+  negative control). :func:`tile_mm` runs the project's C GEMMs instead
+  (:mod:`isoexec.kernels.gemm.fma`): one fixed fused-multiply-add chain over K per output element
+  (in k pairs for bf16 operands), so a row's bits depend neither on the other rows nor on the other
+  columns, nor on the cache tiles.
 * ``torch.sum`` may split a long reduction across threads depending on the tensor's size;
   :func:`tree_sum` adds halves in a fixed binary tree with elementwise adds (IEEE-exact per element).
 * ATen's vectorised loops run the scalar libm function on a loop's tail. For ``exp``, ``log``,
@@ -20,7 +21,13 @@ from __future__ import annotations
 
 import torch
 
-from isoexec.kernels.gemm.fma import fma_gemm, pin_panels
+from isoexec.kernels.gemm.fma import bf16_pair_gemm, fma_gemm, pin_panels
+
+
+def _c_gemm(x, w, row_tile, col_tile, leaves):
+    """The C kernel for the operands' dtype: :func:`bf16_pair_gemm` for bf16, :func:`fma_gemm` else."""
+    gemm = bf16_pair_gemm if x.dtype == torch.bfloat16 else fma_gemm
+    return gemm(x, w, row_tile, col_tile, leaves)
 
 
 class _TileMM(torch.autograd.Function):
@@ -32,29 +39,30 @@ class _TileMM(torch.autograd.Function):
     def forward(ctx, x, w, row_tile, col_tile, grad_dtype, leaves):  # noqa: D102
         ctx.save_for_backward(x, w)
         ctx.grad_dtype = grad_dtype
-        return fma_gemm(x, w, row_tile, col_tile, leaves)
+        return _c_gemm(x, w, row_tile, col_tile, leaves)
 
     @staticmethod
     def backward(ctx, g):  # noqa: D102
-        x, w = (t.to(ctx.grad_dtype) for t in ctx.saved_tensors)
-        g = g.to(ctx.grad_dtype)
-        gx = (g @ w.t()).float() if ctx.needs_input_grad[0] else None
-        gw = (x.t() @ g).float() if ctx.needs_input_grad[1] else None
+        x0, w0 = ctx.saved_tensors
+        x, w, g = x0.to(ctx.grad_dtype), w0.to(ctx.grad_dtype), g.to(ctx.grad_dtype)
+        gx = (g @ w.t()).to(x0.dtype) if ctx.needs_input_grad[0] else None
+        gw = (x.t() @ g).to(w0.dtype) if ctx.needs_input_grad[1] else None
         return gx, gw, None, None, None, None
 
 
 def tile_mm(x: torch.Tensor, w: torch.Tensor, row_tile: int, col_tile: int | None = None,
             grad_dtype: torch.dtype = torch.float32, leaves: int = 1) -> torch.Tensor:
-    """Batch- and column-invariant ``x @ w`` in fp32 (the isoexec CPU GEMM).
+    """Batch- and column-invariant ``x @ w`` with fp32 accumulation (the isoexec CPU GEMM).
 
-    Each output element is one ascending fused-multiply-add chain over K, or over each of ``leaves``
-    contiguous K leaves added by the fixed adjacent-pairs tree (the pik leaf GEMM)
-    (:func:`~isoexec.kernels.gemm.fma.fma_gemm`), in cache tiles of ``row_tile`` rows x
-    ``col_tile`` columns that do not change it.
+    Each output element is one fixed fused-multiply-add chain over K, or over each of ``leaves``
+    contiguous K leaves added by the fixed adjacent-pairs tree (the pik leaf GEMM), in cache tiles of
+    ``row_tile`` rows x ``col_tile`` columns that do not change it: for bf16 operands the chain in k
+    pairs of :func:`~isoexec.kernels.gemm.fma.bf16_pair_gemm`, for fp32 ones the ascending chain of
+    :func:`~isoexec.kernels.gemm.fma.fma_gemm`.
 
     Args:
-        x: ``[N, K]`` float32; any N >= 0.
-        w: ``[K, M]`` float32, the same tensor for every row.
+        x: ``[N, K]`` float32 or bfloat16; any N >= 0.
+        w: ``[K, M]`` of x's dtype, the same tensor for every row.
         row_tile, col_tile: cache tiles (contract constants); ``col_tile`` None: all M columns.
         grad_dtype: dtype of the backward matmuls: ``torch.bfloat16`` where x and w hold bf16 values
             (the model's boundary dtype, :func:`tile_linear`), else ``torch.float32``.
@@ -67,55 +75,65 @@ def tile_mm(x: torch.Tensor, w: torch.Tensor, row_tile: int, col_tile: int | Non
         (not bitwise; the forward is).
 
     Raises:
-        ValueError: inputs not float32, shapes that do not chain, a tile < 1, ``leaves`` not a power
-            of two dividing K, ``grad_dtype`` other than bfloat16 or float32.
+        ValueError: inputs not both float32 or both bfloat16, shapes that do not chain, a tile < 1,
+            ``leaves`` not a power of two dividing K (with K / ``leaves`` even for bf16),
+            ``grad_dtype`` other than bfloat16 or float32.
     """
     if grad_dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"grad_dtype must be torch.bfloat16 or torch.float32, got {grad_dtype}")
     if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
         return _TileMM.apply(x, w, row_tile, col_tile, grad_dtype, leaves)
-    return fma_gemm(x, w, row_tile, col_tile, leaves)
+    return _c_gemm(x, w, row_tile, col_tile, leaves)
 
 
-def _fp32_kxm(w: torch.Tensor) -> torch.Tensor:
-    """``w.t()`` as a contiguous fp32 ``[K, M]`` tensor, the same values whichever way it is obtained.
+def _kxm(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``w.t()`` as a contiguous ``[K, M]`` tensor of ``dtype``, the same values whichever way it is obtained.
 
     Without autograd the converted copy, with the GEMM's packed panels pinned on it, is kept on ``w``
     itself and reused while ``w`` holds the same storage at the same version: an engine converts and
-    packs each weight once per weight sync instead of once per step. Weights are written through the parameter (an in-place write such as a weight sync's or an
-    optimizer's ``copy_`` bumps its version counter) or replaced (``.data = ...``: new storage), and
-    either ends the reuse."""
+    packs each weight once per weight sync instead of once per step. Weights are written through the
+    parameter (an in-place write such as a weight sync's or an optimizer's ``copy_`` bumps its version
+    counter) or replaced (``.data = ...``: new storage), and either ends the reuse."""
     if torch.is_grad_enabled() and w.requires_grad:
-        return w.t().to(torch.float32, memory_format=torch.contiguous_format)
+        return w.t().to(dtype, memory_format=torch.contiguous_format)
     try:
         key = (w._version, w.data_ptr(), tuple(w.shape), w.stride(), w.dtype)
     except RuntimeError:  # an inference-mode tensor has no version counter: nothing to key a cache on
-        return w.t().to(torch.float32, memory_format=torch.contiguous_format)
-    hit = getattr(w, "_isoexec_fp32_kxm", None)
+        return w.t().to(dtype, memory_format=torch.contiguous_format)
+    attr = f"_isoexec_kxm_{str(dtype).removeprefix('torch.')}"
+    hit = getattr(w, attr, None)
     if hit is not None and hit[0] == key:
         return hit[1]
-    wt = w.t().to(torch.float32, memory_format=torch.contiguous_format)
+    wt = w.t().to(dtype, memory_format=torch.contiguous_format)
     pin_panels(wt)  # a private copy, never written
-    w._isoexec_fp32_kxm = (key, wt)
+    setattr(w, attr, (key, wt))
     return wt
 
 
 def tile_linear(x: torch.Tensor, w: torch.Tensor, row_tile: int, col_tile: int | None = None,
                 leaves: int = 1) -> torch.Tensor:
     """``x @ w.T`` for a weight in the Hugging Face ``nn.Linear`` layout, by :func:`tile_mm` (the one
-    place that casts both to fp32, lays the weight out ``[K, M]`` and picks the backward's dtype:
-    bf16 for bf16 activations, as a native bf16 trainer, else fp32).
+    place that picks the GEMM's operand dtype and the backward's: bf16 activations and weights run the
+    bf16 pair chain with a bf16 backward, as a native bf16 trainer; any other dtype is cast to fp32 for
+    the fp32 chain with an fp32 backward).
 
     Args:
-        x: ``[N, K]`` (bf16 or fp32). w: ``[M, K]``.
+        x: ``[N, K]`` (bf16 or fp32). w: ``[M, K]`` (bf16 where x is bf16).
         row_tile, col_tile, leaves: as in :func:`tile_mm`.
 
     Returns:
         ``[N, M]`` float32 (the accumulator; the caller rounds to its boundary dtype). Differentiable.
+
+    Raises:
+        ValueError: bf16 activations with a weight of another dtype (its values would be rounded
+            silently), and what :func:`tile_mm` raises.
     """
-    wt = _fp32_kxm(w)
-    grad_dtype = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
-    return tile_mm(x.float(), wt, row_tile, col_tile, grad_dtype, leaves)
+    if x.dtype == torch.bfloat16:
+        if w.dtype != torch.bfloat16:
+            raise ValueError(f"tile_linear: bfloat16 activations need a bfloat16 weight, got {w.dtype} "
+                             f"{tuple(w.shape)}")
+        return tile_mm(x, _kxm(w, torch.bfloat16), row_tile, col_tile, torch.bfloat16, leaves)
+    return tile_mm(x.float(), _kxm(w, torch.float32), row_tile, col_tile, torch.float32, leaves)
 
 
 def tree_sum(x: torch.Tensor, dim: int = -1, keepdim: bool = False) -> torch.Tensor:

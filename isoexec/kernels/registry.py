@@ -132,7 +132,7 @@ def _isoexec_cpu(k) -> list[Impl]:
     from isoexec.kernels.conv.cpu import iso_causal_conv1d
     from isoexec.kernels.gdn import cpu as gdn
     from isoexec.kernels.gemm.cpu import iso_linear, iso_row_linear
-    from isoexec.kernels.gemm.fma import K_ORDER
+    from isoexec.kernels.gemm.fma import K_ORDER, K_ORDER_BF16_PAIRS
     from isoexec.kernels.logprob.cpu import iso_logprob
     from isoexec.kernels.moe import cpu as moe
     from isoexec.kernels.native_build import CFLAGS
@@ -146,11 +146,14 @@ def _isoexec_cpu(k) -> list[Impl]:
         return gdn.cpr_gdn(q, k_, v, g, beta, lengths, states, k.chunk_size)
 
     V, A = "1", "cpu"
-    fma = {"acc_dtype": "float32", "k_order": K_ORDER, "cflags": " ".join(CFLAGS)}  # the C GEMM (gemm/fma_gemm.c)
+    fma = {"acc_dtype": "float32", "cflags": " ".join(CFLAGS)}  # the C GEMMs (gemm/bf16_gemm.c, gemm/fma_gemm.c)
     gemm = {**fma, "row_tile": k.row_tile, "col_tile": k.col_tile, "split_k": 1}
     pik = {**fma, "row_tile": k.row_tile, "leaves": k.leaves, "leaf_tree": "adjacent_pairs"}
     mlp = {**gemm, "leaves": k.leaves, "leaf_tree": "adjacent_pairs"}  # fused gate/up GEMM, pik down
-    bd = lambda dt: {"boundary_dtype": _dtype_name(dt)}  # noqa: E731
+    def bd(dt):  # a GEMM region's dtype constants: bf16 operands run bf16_gemm.c's pair chain, fp32 fma_gemm.c's
+        pairs = dt == torch.bfloat16
+        return {"boundary_dtype": _dtype_name(dt), "k_order": K_ORDER_BF16_PAIRS if pairs else K_ORDER,
+                "gemm_source": "gemm/bf16_gemm.c" if pairs else "gemm/fma_gemm.c"}
     tree = {"reduction": "binary_tree_pow2", "acc_dtype": "float32"}
     col = partial(iso_linear, row_tile=k.row_tile, col_tile=k.col_tile)
     col_proof = "tests/test_kernels_primitives.py::test_tile_mm_column_bits_independent_of_position_neighbours_and_tiles"

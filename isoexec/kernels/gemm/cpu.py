@@ -1,7 +1,8 @@
 """Batch- and parallel-invariant GEMM on CPU. Every GEMM runs through
-:func:`~isoexec.kernels.primitives.tile_mm`: the C kernel ``fma_gemm.c``, one ascending fp32
-fused-multiply-add chain over K per output element, rounded once to the boundary dtype (logits stay
-fp32). Two forms, so that a tensor-parallel trainer reproduces the bits:
+:func:`~isoexec.kernels.primitives.tile_mm`: a C kernel with one fixed fp32 fused-multiply-add chain
+over K per output element (``bf16_gemm.c``'s chain in k pairs for a bf16 model, ``fma_gemm.c``'s
+ascending chain for fp32), rounded once to the boundary dtype (logits stay fp32). Two forms, so that a
+tensor-parallel trainer reproduces the bits:
 
 * :func:`iso_linear` (column-parallel regions ``attn.qkv_proj``, ``gdn.in_proj``, ``lm_head``, the
   router and the MoE ``gate_proj``/``up_proj``): one GEMM over all output features. A column's bits

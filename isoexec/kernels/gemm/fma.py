@@ -1,14 +1,16 @@
-"""The CPU GEMM kernels of the isoexec set, built by :mod:`isoexec.kernels.native_build`:
+"""The CPU GEMM kernels of the isoexec set, built by :mod:`isoexec.kernels.native_build`; both give an
+output element bits that depend on nothing but its row of ``x`` and column of ``w`` (batch-, column- and
+TP-invariant; see the C files' headers):
 
-* ``fma_gemm.c`` (:func:`fma_gemm`, every isoexec CPU GEMM region): one ascending fused-multiply-add
-  chain over K per output element, so its bits depend on nothing but that element's row of ``x`` and
-  column of ``w`` (see the C file's header);
-* ``bf16_gemm.c`` (:func:`bf16_pair_gemm`): the same invariances for bf16 operands with the chain taken
-  in k pairs as the AVX512-BF16 instruction ``VDPBF16PS`` defines it (two FMAs per pair, odd element
-  first, subnormals flushed), so that a CPU with that instruction does 32 multiply-adds per vector
-  instruction instead of 16. Not yet a region's kernel: its bits differ from ``fma_gemm``'s, so taking
-  it into the set is a contract change (new ``k_order``) with regenerated reference results;
-  ``isoexec bench`` times it beside ``fma_gemm`` at the model's shapes (``gemm_kernels.csv``)."""
+* ``bf16_gemm.c`` (:func:`bf16_pair_gemm`): bf16 operands (the GEMM regions of a bf16 model), the fp32
+  chain taken in k pairs as the AVX512-BF16 instruction ``VDPBF16PS`` defines it (two FMAs per pair,
+  odd element first, subnormals flushed), 32 multiply-adds per vector instruction where the CPU has
+  it, the same chain in scalar code where it does not;
+* ``fma_gemm.c`` (:func:`fma_gemm`): fp32 operands (an fp32 model), one ascending fused-multiply-add
+  chain over K per output element.
+
+:func:`isoexec.kernels.primitives.tile_mm` picks one by the operands' dtype; ``isoexec bench`` times
+both beside torch's bf16 linear at the model's shapes (``gemm_kernels.csv``)."""
 
 from __future__ import annotations
 
@@ -46,10 +48,14 @@ def _pack(w: torch.Tensor) -> torch.Tensor:
 
 
 def pin_panels(w: torch.Tensor) -> None:
-    """Pack ``w`` now and keep the panels on it for its lifetime: for a tensor its owner never writes
-    (:func:`isoexec.kernels.primitives.tile_linear`'s private fp32 copy of a weight, made under
-    vLLM's inference mode, where a tensor has no version counter to key a cache on)."""
-    w._isoexec_fma_panels = (None, _pack(w))
+    """Pack ``w`` (``[K, M]``, float32 for :func:`fma_gemm` or bfloat16 for :func:`bf16_pair_gemm`) now
+    and keep the panels on it for its lifetime: for a tensor its owner never writes
+    (:func:`isoexec.kernels.primitives.tile_linear`'s private copy of a weight, made under vLLM's
+    inference mode, where a tensor has no version counter to key a cache on)."""
+    if w.dtype == torch.bfloat16:
+        w._isoexec_bf16_panels = (None, _pack_bf16(w))
+    else:
+        w._isoexec_fma_panels = (None, _pack(w))
 
 
 def _panels(w: torch.Tensor, attr: str = "_isoexec_fma_panels", pack=_pack) -> torch.Tensor:
