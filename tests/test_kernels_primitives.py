@@ -281,3 +281,58 @@ def test_bf16_pair_gemm_simd_path_equals_the_scalar_chain_and_is_batch_column_an
         bf16_pair_gemm(x.float(), w, 16)
     with pytest.raises(ValueError, match="leaves=3"):
         bf16_pair_gemm(x, w, 16, leaves=3)
+    with pytest.raises(ValueError, match="leaves=2 must be a power of two with K/leaves even"):
+        bf16_pair_gemm(torch.ones(1, 3, dtype=torch.bfloat16), torch.ones(3, 2, dtype=torch.bfloat16), 4, leaves=2)
+
+
+def test_bf16_pair_gemm_flushes_results_tiny_after_rounding_and_canonicalises_nan_on_both_paths():
+    """The two corners where fmaf and ``VDPBF16PS`` part (found by review): a sum just below FLT_MIN that
+    fmaf rounds up to FLT_MIN on the subnormal grid is tiny after rounding with an unbounded exponent, so
+    the instruction flushes it (both paths must give +0 here); and NaN payloads, which the instruction and
+    fmaf take from different operands (both paths store the canonical quiet NaN)."""
+    from isoexec.kernels.gemm.fma import bf16_pair_gemm
+
+    x = torch.tensor([[0.0, 2.0 ** -63, 0.0, 1.5 * 2.0 ** -75]]).bfloat16()
+    w = torch.tensor([[0.0], [2.0 ** -63], [0.0], [-(2.0 ** -76)]]).bfloat16()  # 2^-126 - 1.5 * 2^-151
+    for simd in (True, False):
+        assert bf16_pair_gemm(x, w, 64, simd=simd).view(torch.int32).item() == 0, simd
+    g = torch.Generator().manual_seed(4)  # a sweep of sums around FLT_MIN
+    n, m = 64, 64
+    sign = lambda *s: torch.randn(*s, generator=g).sign()  # noqa: E731
+    mag = lambda lo, hi, *s: (1 + torch.rand(*s, generator=g)) * torch.exp2(torch.randint(lo, hi, s, generator=g).float())  # noqa: E731
+    x, w = torch.zeros(n, 4), torch.zeros(4, m)
+    x[:, 1], w[1] = sign(n) * 2.0 ** -63, 2.0 ** -63 * (1 + (torch.rand(m, generator=g) < 0.3).float() * 2.0 ** -7)
+    x[:, 3], w[3] = sign(n) * mag(-76, -74, n), sign(m) * mag(-78, -75, m)
+    x[:, 2], w[2] = sign(n) * mag(-76, -74, n), sign(m) * mag(-78, -74, m)
+    x, w = x.bfloat16(), w.bfloat16()
+    assert torch.equal(bf16_pair_gemm(x, w, 64).view(torch.int32), bf16_pair_gemm(x, w, 64, simd=False).view(torch.int32))
+    xn = torch.tensor([[0, 0x7FC1]], dtype=torch.int16).view(torch.bfloat16)
+    wn = torch.tensor([[0], [0x7FD3]], dtype=torch.int16).view(torch.bfloat16)
+    for simd in (True, False):
+        assert bf16_pair_gemm(xn, wn, 64, simd=simd).view(torch.int32).item() == 0x7FC00000, simd
+
+
+def test_tile_linear_sees_weight_writes_and_the_kernels_cache_nothing_unpinned():
+    """An engine's weight is converted and packed once and reused until a write through the parameter
+    (``copy_`` under no_grad bumps its version); a tensor handed to the kernels directly is packed on every
+    call, so even a write through ``.data`` (which the version counter does not see) is read."""
+    from isoexec.kernels.gemm.fma import bf16_pair_gemm, fma_gemm
+    from isoexec.kernels.primitives import tile_linear
+
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(5, 64, generator=g).bfloat16()
+    p = torch.nn.Parameter(torch.randn(32, 64, generator=g).bfloat16())
+    with torch.no_grad():
+        before = tile_linear(x, p, 16, 64)
+        assert torch.equal(tile_linear(x, p, 16, 64), before)
+        p.copy_(torch.randn(32, 64, generator=g))
+        after = tile_linear(x, p, 16, 64)
+    assert not torch.equal(after, before)
+    assert torch.equal(after, bf16_pair_gemm(x, p.detach().t().contiguous(), 16, 64))
+    for w, gemm, xx in ((torch.randn(64, 8, generator=g), fma_gemm, x.float()),
+                        (torch.randn(64, 8, generator=g).bfloat16(), bf16_pair_gemm, x)):
+        first = gemm(xx, w, 16)
+        w.data.mul_(-2)  # a power of two: every product and partial sum scales exactly
+        assert torch.equal(gemm(xx, w, 16), -2 * first), gemm.__name__
+    with pytest.raises(ValueError, match=r"tile_linear needs x \[N, K\] and w \[M, K\], got \(1, 3\) and \(5, 2\)"):
+        tile_linear(torch.zeros(1, 3, dtype=torch.bfloat16), torch.zeros(5, 2, dtype=torch.bfloat16), 16)

@@ -35,7 +35,7 @@ def gemm_kernel_times(model, rows: dict[str, int], row_tile: int, col_tile: int,
         One row per (case, region): shape, ``fma_ms``, ``bf16_pairs_ms``, ``torch_bf16_ms``, the ratios
         ``bf16_pairs_over_fma`` and ``bf16_pairs_over_torch``, and ``simd`` (whether ``VDPBF16PS`` ran).
     """
-    from isoexec.kernels.gemm.fma import bf16_pair_gemm, bf16_simd, fma_gemm
+    from isoexec.kernels.gemm.fma import bf16_pair_gemm, bf16_simd, fma_gemm, pin_panels
 
     gen = torch.Generator().manual_seed(seed)
     out = []
@@ -44,12 +44,14 @@ def gemm_kernel_times(model, rows: dict[str, int], row_tile: int, col_tile: int,
             x = torch.randn(n, k, generator=gen).bfloat16()
             w = torch.randn(k, m, generator=gen).bfloat16()
             xf, wf, wl = x.float(), w.float(), w.t().contiguous()
+            pin_panels(w)  # packed once, as tile_linear's copy of an engine's weight
+            pin_panels(wf)
             fns = {"fma": lambda: fma_gemm(xf, wf, row_tile, col_tile),
                    "bf16_pairs": lambda: bf16_pair_gemm(x, w, row_tile, col_tile),
                    "torch_bf16": lambda: torch.nn.functional.linear(x, wl)}
             times = {name: [] for name in fns}
             for fn in fns.values():
-                fn()  # packs the weights once (kept on them), warms the caches
+                fn()  # warms the caches
             for _ in range(repeats):
                 for name, fn in fns.items():
                     t0 = time.perf_counter()

@@ -71,8 +71,8 @@ def tile_mm(x: torch.Tensor, w: torch.Tensor, row_tile: int, col_tile: int | Non
     Returns:
         ``[N, M]`` float32; element (i, j) depends only on ``x[i]`` and ``w[:, j]`` (never on N, on
         the other rows or columns, on the row's position or on the tiles). Differentiable: the
-        gradient is that of ``x @ w`` by two plain matmuls in ``grad_dtype``, returned as float32
-        (not bitwise; the forward is).
+        gradient is that of ``x @ w`` by two plain matmuls in ``grad_dtype``, returned in the inputs'
+        dtypes (not bitwise; the forward is).
 
     Raises:
         ValueError: inputs not both float32 or both bfloat16, shapes that do not chain, a tile < 1,
@@ -91,9 +91,10 @@ def _kxm(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
     Without autograd the converted copy, with the GEMM's packed panels pinned on it, is kept on ``w``
     itself and reused while ``w`` holds the same storage at the same version: an engine converts and
-    packs each weight once per weight sync instead of once per step. Weights are written through the
-    parameter (an in-place write such as a weight sync's or an optimizer's ``copy_`` bumps its version
-    counter) or replaced (``.data = ...``: new storage), and either ends the reuse."""
+    packs each weight once per weight sync instead of once per step. The project writes weights
+    through the parameter (a weight sync's or the optimizer's ``copy_`` under ``no_grad``), which bumps
+    its version counter and ends the reuse; a write through ``.data`` or numpy bypasses the counter
+    (as it bypasses autograd's own checks) and would not be seen."""
     if torch.is_grad_enabled() and w.requires_grad:
         return w.t().to(dtype, memory_format=torch.contiguous_format)
     try:
@@ -125,9 +126,11 @@ def tile_linear(x: torch.Tensor, w: torch.Tensor, row_tile: int, col_tile: int |
         ``[N, M]`` float32 (the accumulator; the caller rounds to its boundary dtype). Differentiable.
 
     Raises:
-        ValueError: bf16 activations with a weight of another dtype (its values would be rounded
-            silently), and what :func:`tile_mm` raises.
+        ValueError: shapes that do not chain (named as given), bf16 activations with a weight of
+            another dtype (its values would be rounded silently), and what :func:`tile_mm` raises.
     """
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"tile_linear needs x [N, K] and w [M, K], got {tuple(x.shape)} and {tuple(w.shape)}")
     if x.dtype == torch.bfloat16:
         if w.dtype != torch.bfloat16:
             raise ValueError(f"tile_linear: bfloat16 activations need a bfloat16 weight, got {w.dtype} "

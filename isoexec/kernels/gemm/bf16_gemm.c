@@ -4,12 +4,14 @@
  * k = 2p and 2p+1 and takes two fused multiply-adds, the odd element first,
  *     acc = ftz(fmaf(daz(x[i, 2p+1]), daz(w[2p+1, j]), daz(acc)))
  *     acc = ftz(fmaf(daz(x[i, 2p]),   daz(w[2p, j]),   acc))
- * (daz: a subnormal input read as zero of its sign; ftz: a subnormal result flushed to zero of its sign;
- * round to nearest even). That is the definition of the AVX512-BF16 instruction VDPBF16PS (Intel SDM,
- * "FP32 FMA with DAZ in, FTZ out and RNE rounding", element 2i+1 before 2i), which runs it for 16
- * columns at once where the CPU has AVX512_BF16; elsewhere the same chain runs as scalar code below.
- * Checked equal on an AMD Zen 4 (tests/test_kernels_primitives.py compares the two paths on random
- * and subnormal-heavy operands). As in fma_gemm.c nothing else enters an element: not the number of
+ * (daz: a subnormal input read as zero of its sign; ftz: a result that is tiny after rounding, i.e. whose
+ * rounding to 24 bits with an unbounded exponent is below FLT_MIN in magnitude, flushed to zero of its
+ * sign; round to nearest even). That is the definition of the AVX512-BF16 instruction VDPBF16PS (Intel
+ * SDM, "FP32 FMA with DAZ in, FTZ out and RNE rounding", element 2i+1 before 2i), which runs it for 16
+ * columns at once where the CPU has AVX512_BF16; elsewhere the same chain runs as scalar code below
+ * (step()). A NaN output is stored as the canonical quiet NaN 0x7fc00000 on both paths (the instruction
+ * and fmaf pick different operands' payloads). Checked equal on an AMD Zen 4 (tests/test_kernels_primitives.py
+ * compares the two paths on random, subnormal-heavy, just-below-FLT_MIN and NaN operands). As in fma_gemm.c nothing else enters an element: not the number of
  * rows, the element's position, its neighbours, the blocking or the SIMD path. A bf16 product is
  * exact in fp32, so each step is one rounding of (exact product + accumulator).
  *
@@ -27,6 +29,7 @@
  * [P][K/2][NR][2] (panel p: columns p*NR .. p*NR+NR-1, zero past M; element [k/2][c][k%2]);
  * y [N, M] fp32 with row stride ldy.
  */
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -57,6 +60,25 @@ static float bf(uint16_t h) {
 
 static float daz(float f) { return fpclassify(f) == FP_SUBNORMAL ? copysignf(0.0f, f) : f; }
 
+/* One multiply-add of VDPBF16PS: daz(acc) + daz(a) daz(b), rounded once, flushed when tiny after rounding.
+   fmaf rounds on the subnormal grid, which differs from the unbounded-exponent rounding only when fmaf
+   returns +-FLT_MIN: then the same step scaled by 2^24 (the smaller factor and acc; exact, and far from
+   overflow, since a result near FLT_MIN needs |acc| and |a b| far below 1) gives that rounding, scaled. */
+static float step(float a, float b, float acc) {
+    a = daz(a);
+    b = daz(b);
+    acc = daz(acc);
+    const float r = fmaf(a, b, acc);
+    if (fabsf(r) == FLT_MIN) {
+        const int a_small = fabsf(a) <= fabsf(b);
+        const float r24 = fmaf((a_small ? a : b) * 0x1p24f, a_small ? b : a, acc * 0x1p24f);
+        if (fabsf(r24) < FLT_MIN * 0x1p24f) return copysignf(0.0f, r24);
+    }
+    return daz(r);
+}
+
+static float canonical(float f) { return isnan(f) ? NAN : f; }
+
 /* One micro-tile: MR rows x NR columns over pairs [0, npairs) of x (row stride ldx, pair-aligned) and
    one panel (pair rows of NR x 2), written to t (row stride ldt). simd selects the path (same bits). */
 static void micro(const uint16_t *restrict x, int64_t ldx, const uint16_t *restrict w, float *restrict t, int64_t ldt,
@@ -77,8 +99,12 @@ static void micro(const uint16_t *restrict x, int64_t ldx, const uint16_t *restr
                 for (int c = 0; c < NR / 16; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], a, wv[c]);
             }
         }
+        const __m512 qnan = _mm512_set1_ps(NAN);
         for (int r = 0; r < MR; ++r)
-            for (int c = 0; c < NR / 16; ++c) _mm512_storeu_ps(t + r * ldt + c * 16, acc[r][c]);
+            for (int c = 0; c < NR / 16; ++c) {
+                const __mmask16 nan = _mm512_cmp_ps_mask(acc[r][c], acc[r][c], _CMP_UNORD_Q);
+                _mm512_storeu_ps(t + r * ldt + c * 16, _mm512_mask_mov_ps(acc[r][c], nan, qnan));
+            }
         return;
     }
 #endif
@@ -87,14 +113,11 @@ static void micro(const uint16_t *restrict x, int64_t ldx, const uint16_t *restr
         float acc[NR];
         for (int c = 0; c < NR; ++c) acc[c] = 0.0f;
         for (int64_t p = 0; p < npairs; ++p) {
-            const float x1 = daz(bf(x[r * ldx + 2 * p + 1])), x0 = daz(bf(x[r * ldx + 2 * p]));
+            const float x1 = bf(x[r * ldx + 2 * p + 1]), x0 = bf(x[r * ldx + 2 * p]);
             const uint16_t *wp = w + p * NR * 2;
-            for (int c = 0; c < NR; ++c) {
-                const float a = daz(fmaf(x1, daz(bf(wp[2 * c + 1])), daz(acc[c])));
-                acc[c] = daz(fmaf(x0, daz(bf(wp[2 * c])), a));
-            }
+            for (int c = 0; c < NR; ++c) acc[c] = step(x0, bf(wp[2 * c]), step(x1, bf(wp[2 * c + 1]), acc[c]));
         }
-        for (int c = 0; c < NR; ++c) t[r * ldt + c] = acc[c];
+        for (int c = 0; c < NR; ++c) t[r * ldt + c] = canonical(acc[c]);
     }
 }
 

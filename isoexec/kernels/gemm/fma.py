@@ -49,31 +49,20 @@ def _pack(w: torch.Tensor) -> torch.Tensor:
 
 def pin_panels(w: torch.Tensor) -> None:
     """Pack ``w`` (``[K, M]``, float32 for :func:`fma_gemm` or bfloat16 for :func:`bf16_pair_gemm`) now
-    and keep the panels on it for its lifetime: for a tensor its owner never writes
-    (:func:`isoexec.kernels.primitives.tile_linear`'s private copy of a weight, made under vLLM's
-    inference mode, where a tensor has no version counter to key a cache on)."""
+    and keep the panels on it for its lifetime: only for a tensor its owner never writes
+    (:func:`isoexec.kernels.primitives.tile_linear`'s private copy of a weight). Any other ``w`` is
+    packed on every call: a cache keyed on the tensor cannot see writes through ``.data`` or numpy,
+    which bypass the version counter."""
     if w.dtype == torch.bfloat16:
-        w._isoexec_bf16_panels = (None, _pack_bf16(w))
+        w._isoexec_bf16_panels = _pack_bf16(w)
     else:
-        w._isoexec_fma_panels = (None, _pack(w))
+        w._isoexec_fma_panels = _pack(w)
 
 
 def _panels(w: torch.Tensor, attr: str = "_isoexec_fma_panels", pack=_pack) -> torch.Tensor:
-    """The panels of ``w`` (``pack(w)``, kept on ``w`` under ``attr``): pinned ones (:func:`pin_panels`),
-    else reused while ``w`` holds the same storage at the same version; an inference-mode tensor is
-    packed on every call."""
-    hit = getattr(w, attr, None)
-    if hit is not None and hit[0] is None:
-        return hit[1]
-    try:
-        key = (w._version, w.data_ptr(), tuple(w.shape), w.stride())
-    except RuntimeError:  # an inference-mode tensor has no version counter
-        return pack(w)
-    if hit is not None and hit[0] == key:
-        return hit[1]
-    panels = pack(w)
-    setattr(w, attr, (key, panels))
-    return panels
+    """The panels of ``w``: pinned ones (:func:`pin_panels`, kept under ``attr``), else ``pack(w)``."""
+    pinned = getattr(w, attr, None)
+    return pinned if pinned is not None else pack(w)
 
 
 def _check_operands(name: str, x: torch.Tensor, w: torch.Tensor, dtype: torch.dtype, row_tile: int,
@@ -100,8 +89,8 @@ def fma_gemm(x: torch.Tensor, w: torch.Tensor, row_tile: int, col_tile: int | No
 
     Args:
         x: ``[N, K]`` float32 (any N >= 0; a column stride other than 1 is copied).
-        w: ``[K, M]`` float32 (any strides: packed into the kernel's column panels, kept on ``w``
-            while it is unchanged).
+        w: ``[K, M]`` float32 (any strides: packed into the kernel's column panels on every call
+            unless pinned, :func:`pin_panels`).
         row_tile: rows per cache block (contract constant ``row_tile``, rounded up to a multiple of 4;
             moves no bit).
         col_tile: columns per cache block (contract constant ``col_tile``, rounded up to a multiple of
@@ -124,7 +113,8 @@ def fma_gemm(x: torch.Tensor, w: torch.Tensor, row_tile: int, col_tile: int | No
     if n and m:
         p = lambda t: ctypes.c_void_p(t.data_ptr())  # noqa: E731
         i = ctypes.c_int64
-        if _lib().isoexec_fma_gemm(p(x), p(_panels(w)), p(y), i(n), i(k), i(m), i(x.stride(0)), i(m),
+        panels = _panels(w)  # held here: the kernel reads it after p() has returned
+        if _lib().isoexec_fma_gemm(p(x), p(panels), p(y), i(n), i(k), i(m), i(x.stride(0)), i(m),
                                    i(row_tile), i(col_tile), i(leaves)):
             raise MemoryError(f"fma_gemm: no memory for the scratch of {leaves} leaves")
     return y
@@ -164,7 +154,7 @@ def bf16_pair_gemm(x: torch.Tensor, w: torch.Tensor, row_tile: int, col_tile: in
 
     Args:
         x: ``[N, K]`` bfloat16 on the CPU (K odd: a zero feature is appended to x and w).
-        w: ``[K, M]`` bfloat16 (packed into the kernel's panels, kept on ``w`` while it is unchanged).
+        w: ``[K, M]`` bfloat16 (packed into the kernel's panels on every call unless pinned, :func:`pin_panels`).
         row_tile, col_tile: cache blocks (contract constants; they move no bit). col_tile None: all M.
         leaves: L, contiguous K leaves (a power of two with K / L even).
         simd: False runs the scalar chain even where ``VDPBF16PS`` exists (same bits; the tests
@@ -180,7 +170,7 @@ def bf16_pair_gemm(x: torch.Tensor, w: torch.Tensor, row_tile: int, col_tile: in
     """
     n, k, m, col_tile = _check_operands("bf16_pair_gemm", x, w, torch.bfloat16, row_tile, col_tile)
     kp = k + k % 2
-    if leaves < 1 or leaves & (leaves - 1) or kp % (2 * leaves):
+    if leaves < 1 or leaves & (leaves - 1) or (leaves > 1 and k % (2 * leaves)):
         raise ValueError(f"bf16_pair_gemm leaves={leaves} must be a power of two with K/leaves even (K={k})")
     if k % 2:
         x = torch.nn.functional.pad(x, (0, 1))
