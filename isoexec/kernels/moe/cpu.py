@@ -42,7 +42,7 @@ def iso_swiglu_partial(x, wg, wu, wd, tp: int, row_tile: int, col_tile: int, lea
         with :func:`~isoexec.kernels.collectives.pik.pik_tree_combine` in rank order gives the bits
         of ``tp=1``.
     """
-    # gate and up as two GEMMs over the weights themselves (iso_linear keeps each one's fp32 panels
+    # gate and up as two GEMMs over the weights themselves (iso_linear keeps each one's converted copy and packed panels
     # between engine steps; a concatenated copy would be converted and packed again on every call)
     g, u = iso_linear(x, wg, row_tile, col_tile), iso_linear(x, wu, row_tile, col_tile)
     h = (silu(g.float()) * u.float()).to(x.dtype)
