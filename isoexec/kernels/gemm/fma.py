@@ -47,20 +47,25 @@ def _pack(w: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.pad(w, (0, p * nr - m)).view(k, p, nr).transpose(0, 1).contiguous()
 
 
+def _packer(w: torch.Tensor):
+    """(attribute a pinned copy lives under, pack function) for ``w``'s kernel: bf16 -> ``bf16_gemm.c``,
+    else ``fma_gemm.c``."""
+    return ("_isoexec_bf16_panels", _pack_bf16) if w.dtype == torch.bfloat16 else ("_isoexec_fma_panels", _pack)
+
+
 def pin_panels(w: torch.Tensor) -> None:
     """Pack ``w`` (``[K, M]``, float32 for :func:`fma_gemm` or bfloat16 for :func:`bf16_pair_gemm`) now
     and keep the panels on it for its lifetime: only for a tensor its owner never writes
     (:func:`isoexec.kernels.primitives.tile_linear`'s private copy of a weight). Any other ``w`` is
     packed on every call: a cache keyed on the tensor cannot see writes through ``.data`` or numpy,
     which bypass the version counter."""
-    if w.dtype == torch.bfloat16:
-        w._isoexec_bf16_panels = _pack_bf16(w)
-    else:
-        w._isoexec_fma_panels = _pack(w)
+    attr, pack = _packer(w)
+    setattr(w, attr, pack(w))
 
 
-def _panels(w: torch.Tensor, attr: str = "_isoexec_fma_panels", pack=_pack) -> torch.Tensor:
-    """The panels of ``w``: pinned ones (:func:`pin_panels`, kept under ``attr``), else ``pack(w)``."""
+def _panels(w: torch.Tensor) -> torch.Tensor:
+    """The panels of ``w`` for its kernel: pinned ones (:func:`pin_panels`), else packed now."""
+    attr, pack = _packer(w)
     pinned = getattr(w, attr, None)
     return pinned if pinned is not None else pack(w)
 
@@ -180,7 +185,7 @@ def bf16_pair_gemm(x: torch.Tensor, w: torch.Tensor, row_tile: int, col_tile: in
     if n and m:
         p = lambda t: ctypes.c_void_p(t.data_ptr())  # noqa: E731
         i = ctypes.c_int64
-        panels = _panels(w, "_isoexec_bf16_panels", _pack_bf16)
+        panels = _panels(w)  # held here while the kernel runs
         if _bf16_lib().isoexec_bf16_gemm(p(x), p(panels), p(y), i(n), i(kp), i(m), i(x.stride(0)), i(m), i(row_tile),
                                          i(col_tile), i(leaves), ctypes.c_int(int(simd))):
             raise MemoryError("bf16_pair_gemm: no memory for the kernel's scratch")
