@@ -180,7 +180,7 @@ def _isoexec_cpu(k) -> list[Impl]:
              gdn.iso_gating),
         Impl("gdn.l2norm", "isoexec.cpu.l2norm", V, A, {**tree, "eps": 1e-6}, "gates:trainer_vs_engine", norm.iso_l2norm),
         Impl("gdn.core", "isoexec.cpu.cpr_gated_delta_rule", V, A,
-             {"chunk_size": k.chunk_size, "state_dtype": "float32", "state_pass": "wy_ut_forward_subst",
+             {"chunk_size": k.chunk_size, "state_dtype": "float32", "state_pass": "wy_ut_forward_subst_c_m_ascending",
               "in_chunk": "recurrent_c_scan", "scan_order": "dk_ascending_fp32_no_fma",
               "cflags": " ".join(CFLAGS), "decode_resync": True}, "gates:decode_chunk_boundaries", gdn_core),
         Impl("gdn.norm", "isoexec.cpu.gated_rms_norm", V, A, tree, "gates:trainer_vs_engine", norm.iso_gated_rms_norm),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from isoexec.kernels.autograd import with_ref_grad
 from isoexec.kernels.primitives import silu
 
 
@@ -14,7 +15,9 @@ def iso_causal_conv1d(pieces: list[torch.Tensor], w: torch.Tensor, prefixes: lis
     Output position t of a piece sums ``w[:, j] * x[t - Kc + 1 + j]`` for j = 0..Kc-1 in that order,
     in fp32 (the taps before the piece come from its prefix), whatever the case (prefill, chunked
     prefill, decode) and whatever the other pieces: the same per-element operations everywhere. All
-    pieces run in one vectorised pass over ``[prefix_0 | x_0 | prefix_1 | x_1 | ...]``.
+    pieces run in one pass of the C kernel ``causal_conv1d.c`` over ``[prefix_0 | x_0 | prefix_1 | x_1 | ...]``
+    (only the rows that are outputs); the SiLU follows in torch. Under autograd the gradient is that of
+    the same tap sum as torch expressions.
 
     Args:
         pieces: per sequence piece its new inputs ``[L_b, C]`` (boundary dtype).
@@ -31,22 +34,38 @@ def iso_causal_conv1d(pieces: list[torch.Tensor], w: torch.Tensor, prefixes: lis
     lens = torch.tensor([x.shape[0] for x in pieces], dtype=torch.long)
     ends = torch.cumsum(lens + (kc - 1), 0)  # end of each piece's span in ext
     starts = ends - lens - (kc - 1)
-    # the taps of every row r of ext with r + kc - 1 inside it, as contiguous slices (no gathers); rows
-    # whose taps straddle two pieces are computed and never read
-    rows = ext.shape[0] - (kc - 1)
-    wt = w.float().t().contiguous()  # [Kc, C]: tap j's weights contiguous (a strided column slows every multiply)
-    acc = ext[:rows] * wt[0]
-    if torch.is_grad_enabled() and (ext.requires_grad or wt.requires_grad):
-        for j in range(1, kc):
-            acc = acc + ext[j : j + rows] * wt[j]
-    else:  # the same operations in one reused temporary (a fresh large temporary per tap costs page faults)
-        tmp = torch.empty_like(acc)
-        for j in range(1, kc):
-            acc.add_(torch.mul(ext[j : j + rows], wt[j], out=tmp))
-    # row of output t of piece b: its first tap, ext[start_b + t]
-    idx = torch.arange(int(lens.sum())) + torch.repeat_interleave(starts - (torch.cumsum(lens, 0) - lens), lens)
-    ys = list(silu(acc[idx]).to(dtype).split(lens.tolist()))
+    # row of ext holding the first tap of output t of piece b: start_b + t
+    first = torch.arange(int(lens.sum())) + torch.repeat_interleave(starts - (torch.cumsum(lens, 0) - lens), lens)
+    wt = w.float().t().contiguous()  # [Kc, C]: tap j's weights contiguous
+    acc = with_ref_grad(lambda e, ww: _taps(e, ww, first), lambda e, ww: _taps_ref(e, ww, first), ext, wt)
+    ys = list(silu(acc).to(dtype).split(lens.tolist()))
     if kc == 1:
         return ys, list(prefixes)
     tail = ext[(ends[:, None] - (kc - 1)) + torch.arange(kc - 1)[None, :]].to(dtype)  # [B, Kc-1, C]
     return ys, list(tail.unbind(0))
+
+
+def _taps(ext: torch.Tensor, wt: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
+    """The tap sums of rows ``first`` in the C kernel ``causal_conv1d.c``: ``[len(first), C]`` fp32."""
+    import ctypes
+    from pathlib import Path
+
+    from isoexec.kernels.native_build import load_c_kernel
+
+    ext, wt, first = ext.detach().contiguous(), wt.detach().contiguous(), first.contiguous()
+    out = torch.empty(first.numel(), ext.shape[1])
+    ptr = lambda t: ctypes.c_void_p(t.data_ptr())  # noqa: E731
+    load_c_kernel(str(Path(__file__).with_name("causal_conv1d.c"))).isoexec_causal_conv1d(
+        ptr(ext), ptr(wt), ptr(first), ptr(out), ctypes.c_int64(first.numel()), ctypes.c_int64(ext.shape[1]),
+        ctypes.c_int64(wt.shape[0]))
+    return out
+
+
+def _taps_ref(ext: torch.Tensor, wt: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
+    """The same tap sums as torch expressions over contiguous slices of ``ext`` (rows whose taps straddle
+    two pieces are computed and not read), then rows ``first``: the gradient's reference."""
+    rows = ext.shape[0] - (wt.shape[0] - 1)
+    acc = ext[:rows] * wt[0]
+    for j in range(1, wt.shape[0]):
+        acc = acc + ext[j : j + rows] * wt[j]
+    return acc[first]

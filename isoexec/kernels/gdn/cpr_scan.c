@@ -19,6 +19,12 @@
  * Every element sees the same operations in the same order as in two passes per token; only the
  * memory traffic changes.
  *
+ * Registers: the columns are processed in blocks of JB (64) columns, each block's kv, u and o
+ * accumulators held in vector registers over the DK rows (GCC vector extensions; the compiler lowers
+ * them to the widest vectors the CPU has, or to scalar code); a tail of fewer columns runs the same
+ * loop one column at a time. Blocking moves no bit: every element of a block sees exactly the
+ * operations, in the same order, that the column-at-a-time loop gives it.
+ *
  * Layout: tokens [N, H, D] (row-major, fp32); segment s covers token rows row0[s] .. row0[s]+len[s]-1,
  * starts from the H states at src[s] ([H, DK, DV] contiguous) and leaves its final states at dst[s]
  * (the same layout); dst[s] == src[s] updates the states in place (a decode step advancing a sequence's
@@ -29,14 +35,105 @@
 #include <stdint.h>
 #include <string.h>
 
+#define VW 16               /* floats per vector */
+#define NV 4                /* vectors per column block */
+#define JB (VW * NV)        /* columns per block */
+typedef float vf __attribute__((vector_size(VW * sizeof(float))));
+typedef float vfu __attribute__((vector_size(VW * sizeof(float)), aligned(sizeof(float))));
+static inline vf ld(const float *p) { return *(const vfu *)p; }
+static inline void st(float *p, vf x) { *(vfu *)p = x; }
+
+/* Decay of the first token from the start state A into S (A may be S), kv = k^T S, columns j0..j0+JB. */
+static inline void decay_block(float *S, const float *A, const float *restrict kt, float d, float *restrict kv,
+                               int64_t DK, int64_t DV, int64_t j0) {
+    vf a[NV] = {0};
+    for (int64_t i = 0; i < DK; ++i) {
+        const float ki = kt[i];
+        for (int v = 0; v < NV; ++v) {
+            const vf s = ld(A + i * DV + j0 + v * VW) * d;
+            st(S + i * DV + j0 + v * VW, s);
+            a[v] = a[v] + ki * s;
+        }
+    }
+    for (int v = 0; v < NV; ++v) st(kv + j0 + v * VW, a[v]);
+}
+
+/* The same for one column j (the tail). */
+static inline void decay_col(float *S, const float *A, const float *restrict kt, float d, float *restrict kv,
+                             int64_t DK, int64_t DV, int64_t j) {
+    float a = 0.0f;
+    for (int64_t i = 0; i < DK; ++i) {
+        const float s = A[i * DV + j] * d;
+        S[i * DV + j] = s;
+        a = a + kt[i] * s;
+    }
+    kv[j] = a;
+}
+
+/* Update of token t (S + k u^T, o_t = q^T S) and, with kn != NULL, decay of token t+1 (S * dn, kv = kn^T S),
+ * in one pass; columns j0..j0+JB. kv holds token t's kv on entry and token t+1's on return. */
+static inline void update_block(float *restrict S, const float *restrict kt, const float *restrict qt,
+                                const float *restrict vt, float b, const float *restrict kn, float dn,
+                                float *restrict kv, float *restrict ot, int64_t DK, int64_t DV, int64_t j0) {
+    vf u[NV], acc[NV] = {0}, a[NV] = {0};
+    for (int v = 0; v < NV; ++v) u[v] = (ld(vt + j0 + v * VW) - ld(kv + j0 + v * VW)) * b;
+    if (kn) {
+        for (int64_t i = 0; i < DK; ++i) {
+            const float ki = kt[i], qi = qt[i], kni = kn[i];
+            float *Si = S + i * DV + j0;
+            for (int v = 0; v < NV; ++v) {
+                const vf s = ld(Si + v * VW) + ki * u[v];
+                acc[v] = acc[v] + qi * s;
+                const vf sn = s * dn;
+                st(Si + v * VW, sn);
+                a[v] = a[v] + kni * sn;
+            }
+        }
+        for (int v = 0; v < NV; ++v) st(kv + j0 + v * VW, a[v]);
+    } else {
+        for (int64_t i = 0; i < DK; ++i) {
+            const float ki = kt[i], qi = qt[i];
+            float *Si = S + i * DV + j0;
+            for (int v = 0; v < NV; ++v) {
+                const vf s = ld(Si + v * VW) + ki * u[v];
+                st(Si + v * VW, s);
+                acc[v] = acc[v] + qi * s;
+            }
+        }
+    }
+    for (int v = 0; v < NV; ++v) st(ot + j0 + v * VW, acc[v]);
+}
+
+/* The same for one column j (the tail). */
+static inline void update_col(float *restrict S, const float *restrict kt, const float *restrict qt,
+                              const float *restrict vt, float b, const float *restrict kn, float dn,
+                              float *restrict kv, float *restrict ot, int64_t DK, int64_t DV, int64_t j) {
+    const float u = (vt[j] - kv[j]) * b;
+    float acc = 0.0f, a = 0.0f;
+    for (int64_t i = 0; i < DK; ++i) {
+        const float s = S[i * DV + j] + kt[i] * u;
+        acc = acc + qt[i] * s;
+        if (kn) {
+            const float sn = s * dn;
+            S[i * DV + j] = sn;
+            a = a + kn[i] * sn;
+        } else {
+            S[i * DV + j] = s;
+        }
+    }
+    if (kn) kv[j] = a;
+    ot[j] = acc;
+}
+
 void isoexec_cpr_scan(float *const *dst, const float *const *src, const float *restrict q, const float *restrict k,
                       const float *restrict v, const float *restrict decay, const float *restrict beta,
                       float *restrict o, const int64_t *row0, const int64_t *len, int64_t nseg, int64_t H,
                       int64_t DK, int64_t DV, float *restrict work) {
-    float *restrict kv = work, *restrict u = work + DV, *restrict acc = work + 2 * DV;
+    float *restrict kv = work;
+    const int64_t jb_end = DV - DV % JB;
     for (int64_t s = 0; s < nseg; ++s) {
         for (int64_t h = 0; h < H; ++h) {
-            float *restrict St = dst[s] + h * DK * DV;
+            float *St = dst[s] + h * DK * DV;
             const float *S0 = src[s] + h * DK * DV;  /* may be St itself (in place) */
             const int64_t t0 = row0[s], t1 = row0[s] + len[s];
             if (t1 <= t0) {
@@ -45,69 +142,17 @@ void isoexec_cpr_scan(float *const *dst, const float *const *src, const float *r
             }
             {   /* decay of the first token, from the start state (the same operations in place or not) */
                 const int64_t r = t0 * H + h;
-                const float *restrict kt = k + r * DK;
-                const float d = decay[r];
-                for (int64_t j = 0; j < DV; ++j) kv[j] = 0.0f;
-                if (St == S0) {
-                    for (int64_t i = 0; i < DK; ++i) {
-                        float *restrict Si = St + i * DV;
-                        const float ki = kt[i];
-                        for (int64_t j = 0; j < DV; ++j) {
-                            const float sij = Si[j] * d;
-                            Si[j] = sij;
-                            kv[j] = kv[j] + ki * sij;
-                        }
-                    }
-                } else {
-                    for (int64_t i = 0; i < DK; ++i) {
-                        const float *restrict Ai = S0 + i * DV;
-                        float *restrict Si = St + i * DV;
-                        const float ki = kt[i];
-                        for (int64_t j = 0; j < DV; ++j) {
-                            const float sij = Ai[j] * d;
-                            Si[j] = sij;
-                            kv[j] = kv[j] + ki * sij;
-                        }
-                    }
-                }
+                for (int64_t j = 0; j < jb_end; j += JB) decay_block(St, S0, k + r * DK, decay[r], kv, DK, DV, j);
+                for (int64_t j = jb_end; j < DV; ++j) decay_col(St, S0, k + r * DK, decay[r], kv, DK, DV, j);
             }
             for (int64_t t = t0; t < t1; ++t) {
                 const int64_t r = t * H + h;
-                const float *restrict kt = k + r * DK, *restrict qt = q + r * DK, *restrict vt = v + r * DV;
-                const float b = beta[r];
-                for (int64_t j = 0; j < DV; ++j) {
-                    u[j] = (vt[j] - kv[j]) * b;
-                    acc[j] = 0.0f;
-                }
-                if (t + 1 < t1) {  /* update of token t, then decay of token t+1, in one pass */
-                    const int64_t rn = r + H;
-                    const float *restrict kn = k + rn * DK;
-                    const float dn = decay[rn];
-                    for (int64_t j = 0; j < DV; ++j) kv[j] = 0.0f;
-                    for (int64_t i = 0; i < DK; ++i) {
-                        float *restrict Si = St + i * DV;
-                        const float ki = kt[i], qi = qt[i], kni = kn[i];
-                        for (int64_t j = 0; j < DV; ++j) {
-                            const float sij = Si[j] + ki * u[j];
-                            acc[j] = acc[j] + qi * sij;
-                            const float snj = sij * dn;
-                            Si[j] = snj;
-                            kv[j] = kv[j] + kni * snj;
-                        }
-                    }
-                } else {
-                    for (int64_t i = 0; i < DK; ++i) {
-                        float *restrict Si = St + i * DV;
-                        const float ki = kt[i], qi = qt[i];
-                        for (int64_t j = 0; j < DV; ++j) {
-                            const float sij = Si[j] + ki * u[j];
-                            Si[j] = sij;
-                            acc[j] = acc[j] + qi * sij;
-                        }
-                    }
-                }
-                float *restrict ot = o + r * DV;
-                for (int64_t j = 0; j < DV; ++j) ot[j] = acc[j];
+                const float *kt = k + r * DK, *qt = q + r * DK, *vt = v + r * DV;
+                const float *kn = t + 1 < t1 ? k + (r + H) * DK : NULL;  /* update of t, then decay of t+1 */
+                const float dn = t + 1 < t1 ? decay[r + H] : 0.0f;
+                for (int64_t j = 0; j < jb_end; j += JB)
+                    update_block(St, kt, qt, vt, beta[r], kn, dn, kv, o + r * DV, DK, DV, j);
+                for (int64_t j = jb_end; j < DV; ++j) update_col(St, kt, qt, vt, beta[r], kn, dn, kv, o + r * DV, DK, DV, j);
             }
         }
     }

@@ -10,12 +10,16 @@
  *     dbeta_t = du . (v_t - kv);   dv_t = beta_t du;   dkv = -beta_t du
  *     dS~ = dS + k_t dkv^T;        dk_t += S~ dkv
  *     dd_t = <dS~, S_{t-1}>;       dS = d_t dS~            (the caller turns dd_t into dg_t = dd_t d_t)
- * States: a forward pass stores S at every chunk start (C tokens); each chunk is then recomputed from
- * its start, keeping its C+1 states, and walked backwards.
+ * States: the caller gives S at every chunk start (C tokens): the forward's state pass (cpu.py's
+ * cpr_gdn), whose chunk entries are the states its in-chunk scan started from, so the gradient is that
+ * of the outputs the forward returned. Each chunk is recomputed from its start, keeping its C+1 states,
+ * and walked backwards.
  *
  * Sums over the DV columns run in LANES partial sums (then added in lane order), so that they
  * vectorise without -ffast-math; DV must be a multiple of LANES.
- * Layout: tokens [N, H, D] fp32; sequence s covers rows row0[s] .. row0[s]+len[s]-1 from a zero state.
+ * Layout: tokens [N, H, D] fp32; sequence s covers rows row0[s] .. row0[s]+len[s]-1 from a zero state;
+ * entry[e] is an [H, DK, DV] fp32 state, sequence-major and chunk-ascending: sequence s's chunk c at
+ * e = (number of chunks of sequences 0..s-1) + c, with ceil(len/C) chunks per sequence.
  * Returns 0, -1 when memory could not be allocated, -2 when DV is not a multiple of LANES.
  */
 #include <stdint.h>
@@ -53,42 +57,26 @@ static void step_forward(float *dst, const float *src, const float *k, const flo
 
 int isoexec_gdn_backward(const float *q, const float *k, const float *v, const float *decay, const float *beta,
                          const float *dout, float *dq, float *dk, float *dv, float *ddecay, float *dbeta,
-                         const int64_t *row0, const int64_t *len, int64_t nseg, int64_t H, int64_t DK, int64_t DV,
-                         int64_t C) {
+                         const float *const *entry, const int64_t *row0, const int64_t *len, int64_t nseg, int64_t H,
+                         int64_t DK, int64_t DV, int64_t C) {
     const int64_t SS = DK * DV;
     if (DV % LANES) return -2;
-    int64_t maxlen = 0;
-    for (int64_t s = 0; s < nseg; ++s) maxlen = len[s] > maxlen ? len[s] : maxlen;
-    const int64_t nck = (maxlen + C - 1) / C + 1;
-    float *ckpt = malloc(sizeof(float) * nck * SS);        /* S at every chunk start */
     float *st = malloc(sizeof(float) * (C + 1) * SS);      /* the states of one chunk */
     float *kvs = malloc(sizeof(float) * C * DV), *us = malloc(sizeof(float) * C * DV);
     float *dS = malloc(sizeof(float) * SS), *du = malloc(sizeof(float) * DV), *dkv = malloc(sizeof(float) * DV);
-    float *kv = malloc(sizeof(float) * DV), *u = malloc(sizeof(float) * DV);
-    if (!ckpt || !st || !kvs || !us || !dS || !du || !dkv || !kv || !u) {
-        free(ckpt); free(st); free(kvs); free(us); free(dS); free(du); free(dkv); free(kv); free(u);
+    if (!st || !kvs || !us || !dS || !du || !dkv) {
+        free(st); free(kvs); free(us); free(dS); free(du); free(dkv);
         return -1;
     }
+    int64_t e0 = 0;  /* this sequence's first chunk in entry */
     for (int64_t s = 0; s < nseg; ++s) {
         const int64_t L = len[s], nc = (L + C - 1) / C;
         for (int64_t h = 0; h < H; ++h) {
-            /* forward: checkpoints at chunk starts */
-            memset(ckpt, 0, sizeof(float) * SS);
-            memcpy(st, ckpt, sizeof(float) * SS);
-            for (int64_t c = 0; c < nc; ++c) {
-                const int64_t t0 = c * C, t1 = t0 + C < L ? t0 + C : L;
-                memcpy(st, ckpt + c * SS, sizeof(float) * SS);
-                for (int64_t t = t0; t < t1; ++t) {
-                    const int64_t r = (row0[s] + t) * H + h;
-                    step_forward(st, st, k + r * DK, v + r * DV, decay[r], beta[r], kv, u, DK, DV);
-                }
-                memcpy(ckpt + (c + 1) * SS, st, sizeof(float) * SS);
-            }
             /* backward, chunk by chunk from the last */
             memset(dS, 0, sizeof(float) * SS);
             for (int64_t c = nc - 1; c >= 0; --c) {
                 const int64_t t0 = c * C, t1 = t0 + C < L ? t0 + C : L, n = t1 - t0;
-                memcpy(st, ckpt + c * SS, sizeof(float) * SS);
+                memcpy(st, entry[e0 + c] + h * SS, sizeof(float) * SS);
                 for (int64_t a = 0; a < n; ++a) {
                     const int64_t r = (row0[s] + t0 + a) * H + h;
                     step_forward(st + (a + 1) * SS, st + a * SS, k + r * DK, v + r * DV, decay[r], beta[r],
@@ -152,7 +140,8 @@ int isoexec_gdn_backward(const float *q, const float *k, const float *v, const f
                 }
             }
         }
+        e0 += nc;
     }
-    free(ckpt); free(st); free(kvs); free(us); free(dS); free(du); free(dkv); free(kv); free(u);
+    free(st); free(kvs); free(us); free(dS); free(du); free(dkv);
     return 0;
 }

@@ -83,17 +83,23 @@ def _unpack(rows: torch.Tensor, H: int, Dk: int, Dv: int):
 def _ut_inverse(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Chunk-only quantities of the state pass for M chunks: ``T = (I + A)^-1`` and the cumulative decay.
 
+    ``A`` is built here (torch elementwise and one ``bmm``); the forward substitution runs in the C kernel
+    ``cpr_ut_inverse.c`` (fixed fp32 order, see its header).
+
     Args: k ``[M, C, Dk]``, g / beta ``[M, C]``. Returns (T ``[M, C, C]``, G ``[M, C]``).
     """
+    import ctypes
+
     M, C, _ = k.shape
     G = torch.cumsum(g, dim=1)
     kk = torch.bmm(k, k.transpose(1, 2).contiguous())  # [M, C, C]
     diff = G[:, :, None] - G[:, None, :]
     lower = torch.ones(C, C, dtype=torch.bool).tril(-1)
     A = torch.where(lower, beta[:, :, None] * kk * torch.exp(torch.where(lower, diff, torch.zeros_like(diff))), 0.0)
-    T = torch.eye(C).expand(M, C, C).clone()
-    for i in range(1, C):
-        T[:, i, :i] = -torch.bmm(A[:, i : i + 1, :i].contiguous(), T[:, :i, :i].contiguous())[:, 0]
+    A = A.float().contiguous()
+    T = torch.empty(M, C, C)
+    _lib("cpr_ut_inverse.c").isoexec_ut_inverse(ctypes.c_void_p(A.data_ptr()), ctypes.c_void_p(T.data_ptr()),
+                                                ctypes.c_int64(M), ctypes.c_int64(C))
     return T, G
 
 
@@ -124,7 +130,7 @@ def _scan(starts: list[torch.Tensor], dsts: list[torch.Tensor], q, k, v, g, beta
     """
     import ctypes
 
-    lib = _scan_lib()
+    lib = _lib("cpr_scan.c")
     N, H, Dk = k.shape
     Dv = v.shape[-1]
     q, k, v, beta = (x.float().contiguous() for x in (q, k, v, beta))
@@ -135,7 +141,7 @@ def _scan(starts: list[torch.Tensor], dsts: list[torch.Tensor], q, k, v, g, beta
     meta = torch.tensor(segments, dtype=torch.int64).reshape(-1, 2).t().contiguous()
     src = torch.tensor([t.data_ptr() for t in starts], dtype=torch.int64)
     dst = torch.tensor([t.data_ptr() for t in dsts], dtype=torch.int64)
-    work = torch.empty(3 * Dv)
+    work = torch.empty(Dv)
     ptr = lambda t: ctypes.c_void_p(t.data_ptr())  # noqa: E731
     lib.isoexec_cpr_scan(ptr(dst), ptr(src), ptr(q), ptr(k), ptr(v), ptr(decay), ptr(beta), ptr(o), ptr(meta[0]),
                          ptr(meta[1]), ctypes.c_int64(len(segments)), ctypes.c_int64(H), ctypes.c_int64(Dk),
@@ -143,26 +149,21 @@ def _scan(starts: list[torch.Tensor], dsts: list[torch.Tensor], q, k, v, g, beta
     return o
 
 
-def _scan_lib():
+def _lib(source: str):
+    """The compiled C kernel ``source`` of this folder (``cpr_scan.c``, ``cpr_ut_inverse.c``,
+    ``cpr_scan_backward.c``)."""
     from pathlib import Path
 
     from isoexec.kernels.native_build import load_c_kernel
 
-    return load_c_kernel(str(Path(__file__).with_name("cpr_scan.c")))
-
-
-def _backward_lib():
-    from pathlib import Path
-
-    from isoexec.kernels.native_build import load_c_kernel
-
-    return load_c_kernel(str(Path(__file__).with_name("cpr_scan_backward.c")))
+    return load_c_kernel(str(Path(__file__).with_name(source)))
 
 
 class CPRTrainerFunction(torch.autograd.Function):
     """``trainer_fwd`` GDN: the CPR bits forward (:func:`cpr_gdn` from zero states), the gradient of
-    the same recurrence backward from ``cpr_scan_backward.c`` (reverse time, states recomputed per
-    chunk of C tokens; not bitwise, checked against an fp64 reference in the tests).
+    the same recurrence backward from ``cpr_scan_backward.c`` (reverse time, each chunk of C tokens
+    recomputed from the state the forward's scan started it from, kept by the forward; not bitwise,
+    checked against an fp64 reference in the tests).
 
     Inputs as :func:`cpr_gdn` (q, k ``[N, H, Dk]``, v ``[N, H, Dv]``, g, beta ``[N, H]``, fp32;
     ``lengths`` per sequence, each from a zero state). Returns o ``[N, H, Dv]`` fp32.
@@ -170,15 +171,18 @@ class CPRTrainerFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, lengths: list[int], chunk_size: int):  # noqa: D102
-        ctx.save_for_backward(q, k, v, g, beta)
+        entries: list[torch.Tensor] = []
+        out = cpr_gdn(q, k, v, g, beta, lengths, [None] * len(lengths), chunk_size, keep_state=False,
+                      entries_out=entries)[0]
+        ctx.save_for_backward(q, k, v, g, beta, *entries)
         ctx.lengths, ctx.chunk_size = lengths, chunk_size
-        return cpr_gdn(q, k, v, g, beta, lengths, [None] * len(lengths), chunk_size, keep_state=False)[0]
+        return out
 
     @staticmethod
     def backward(ctx, do):  # noqa: D102
         import ctypes
 
-        q, k, v, g, beta = ctx.saved_tensors
+        q, k, v, g, beta, *entries = ctx.saved_tensors
         N, H, Dk = k.shape
         Dv = v.shape[-1]
         scale = Dk**-0.5
@@ -192,10 +196,11 @@ class CPRTrainerFunction(torch.autograd.Function):
         for n in ctx.lengths[:-1]:
             row0.append(row0[-1] + n)
         r0, ln = torch.tensor(row0, dtype=torch.int64), torch.tensor(ctx.lengths, dtype=torch.int64)
+        ent = torch.tensor([e.data_ptr() for e in entries], dtype=torch.int64)
         ptr = lambda t: ctypes.c_void_p(t.data_ptr())  # noqa: E731
-        rc = _backward_lib().isoexec_gdn_backward(
+        rc = _lib("cpr_scan_backward.c").isoexec_gdn_backward(
             ptr(qs), ptr(k), ptr(v), ptr(decay), ptr(beta), ptr(do), ptr(dq), ptr(dk), ptr(dv), ptr(dd), ptr(db),
-            ptr(r0), ptr(ln), ctypes.c_int64(len(ctx.lengths)), ctypes.c_int64(H), ctypes.c_int64(Dk),
+            ptr(ent), ptr(r0), ptr(ln), ctypes.c_int64(len(ctx.lengths)), ctypes.c_int64(H), ctypes.c_int64(Dk),
             ctypes.c_int64(Dv), ctypes.c_int64(ctx.chunk_size))
         if rc == -2:
             raise ValueError(f"the CPU GDN backward needs Dv divisible by 16, got Dv={Dv}")
@@ -214,6 +219,7 @@ def cpr_gdn(
     states: list[CPRState | None],
     chunk_size: int,
     keep_state: bool = True,
+    entries_out: list[torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, list[CPRState | None]]:
     """CPR gated delta rule over a batch of sequence pieces (prefill chunks, decode tokens, trainer sequences).
 
@@ -222,6 +228,10 @@ def cpr_gdn(
         g: ``[N, H]`` log decay (<= 0). beta: ``[N, H]``.
         lengths: new tokens per sequence (sum N). states: per sequence :class:`CPRState` or None (fresh).
         chunk_size: C. keep_state: return new states (False for the trainer).
+        entries_out: if a list, receives the state entering every chunk the call touches, sequence-major
+            and chunk-ascending (``ceil((n_open + L_i) / C)`` per sequence, each ``[H, Dk, Dv]`` fp32
+            contiguous; the state pass's, which the in-chunk scan starts from): what the trainer's
+            backward recomputes each chunk from.
 
     Returns:
         (o ``[N, H, Dv]`` fp32, new states or Nones). Not differentiable (see the module docstring).
@@ -305,6 +315,8 @@ def cpr_gdn(
             seg_dst.append(dst)
             segments.append((row0[i] + a - n_open, b - a))
     out = _scan(seg_state, seg_dst, q, k, v, g, beta, segments) if segments else q.new_zeros(N, H, Dv)
+    if entries_out is not None:
+        entries_out.extend(entries[(i, c)] for i in range(len(states)) for c in range(-(-m[i] // C)))
     for st in states:
         st.consumed = True
     if not keep_state:
