@@ -107,6 +107,49 @@ def test_cpr_chunked_prefill_and_batching_are_bitwise():
     assert torch.equal(ob[19:], o)
 
 
+@pytest.mark.parametrize("in_place", [False, True])
+def test_scan_column_blocks_move_no_bit(in_place):
+    """cpr_scan.c runs 64-column blocks in vector registers and a tail one column at a time: a column's
+    bits are the same in a block, in the tail, and alone (DV = 80: one block + a 16-column tail, against
+    the 16-column slices, which take the tail loop only), from a start state in place or copied."""
+    from isoexec.kernels.gdn.cpu import _scan
+
+    g = torch.Generator().manual_seed(3)
+    n, h, dk, dv = 7, 2, 32, 80
+    q, k = iso_l2norm(torch.randn(n, h, dk, generator=g)), iso_l2norm(torch.randn(n, h, dk, generator=g))
+    v, gl, beta = torch.randn(n, h, dv, generator=g), -torch.rand(n, h, generator=g), torch.rand(n, h, generator=g)
+    s0 = torch.randn(h, dk, dv, generator=g)
+    segs = [(0, 3), (3, 4)]
+
+    def run(cols):
+        starts = [s0[..., cols].clone(memory_format=torch.contiguous_format) for _ in segs]
+        dsts = starts if in_place else [torch.empty_like(s) for s in starts]
+        return _scan(starts, dsts, q, k, v[..., cols].contiguous(), gl, beta, segs), dsts
+
+    full, full_states = run(slice(0, dv))
+    for c0 in range(0, dv, 16):
+        part, part_states = run(slice(c0, c0 + 16))
+        assert torch.equal(part, full[..., c0 : c0 + 16])
+        assert all(torch.equal(p, f[..., c0 : c0 + 16]) for p, f in zip(part_states, full_states))
+
+
+def test_ut_inverse_is_the_inverse_and_per_chunk():
+    """The state pass's T = (I + A)^-1 (cpr_ut_inverse.c) against the fp64 inverse, and a chunk's T has
+    the same bits alone as among others."""
+    from isoexec.kernels.gdn.cpu import _ut_inverse
+
+    g = torch.Generator().manual_seed(5)
+    m, c = 6, 16
+    k = iso_l2norm(torch.randn(m, c, DK, generator=g))
+    gl, beta = -torch.rand(m, c, generator=g) * 0.5, torch.rand(m, c, generator=g)
+    T, G = _ut_inverse(k, gl, beta)
+    lower = torch.ones(c, c, dtype=torch.bool).tril(-1)
+    A = torch.where(lower, beta[:, :, None] * (k @ k.transpose(1, 2)) * torch.exp(G[:, :, None] - G[:, None, :]), 0.0)
+    ref = torch.linalg.inv(torch.eye(c, dtype=torch.float64) + A.double())
+    assert (T.double() - ref).abs().max() < 1e-5
+    assert torch.equal(_ut_inverse(k[2:3], gl[2:3], beta[2:3])[0][0], T[2])
+
+
 def test_cpr_backward_matches_fp64_reference():
     x = _inputs(29)
     xs = [a.clone().requires_grad_(True) for a in x]

@@ -31,6 +31,18 @@ def test_native_matmul_row_bits_depend_on_row_count():
     assert differs
 
 
+@pytest.mark.parametrize("n", [1, 2, 3, 7, 64, 100, 257])
+def test_tree_sum_c_kernel_has_the_bits_of_the_torch_tree(n):
+    """Without autograd, an fp32 last-dim tree_sum runs reduce/tree_sum.c; under autograd the torch tree of
+    narrow + add: the same bits (values spanning 40 orders of magnitude, so any other order would show)."""
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(5, 3, n, generator=g) * torch.logspace(-20, 20, n)
+    c = tree_sum(x, -1, keepdim=True)
+    t = tree_sum(x.clone().requires_grad_(True), -1, keepdim=True).detach()
+    assert c.shape == t.shape == (5, 3, 1) and torch.equal(c, t)
+    assert torch.equal(tree_sum(x.transpose(0, 1), -1), t.squeeze(-1).transpose(0, 1))  # non-contiguous input
+
+
 def test_tree_sum_is_fixed_order_and_correct():
     torch.manual_seed(0)
     x = torch.randn(37, 100, dtype=torch.float64)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from functools import cache
+from pathlib import Path
+
 import torch
 
 from isoexec.kernels.autograd import with_ref_grad
@@ -48,17 +51,22 @@ def iso_causal_conv1d(pieces: list[torch.Tensor], w: torch.Tensor, prefixes: lis
 def _taps(ext: torch.Tensor, wt: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
     """The tap sums of rows ``first`` in the C kernel ``causal_conv1d.c``: ``[len(first), C]`` fp32."""
     import ctypes
-    from pathlib import Path
-
-    from isoexec.kernels.native_build import load_c_kernel
 
     ext, wt, first = ext.detach().contiguous(), wt.detach().contiguous(), first.contiguous()
     out = torch.empty(first.numel(), ext.shape[1])
     ptr = lambda t: ctypes.c_void_p(t.data_ptr())  # noqa: E731
-    load_c_kernel(str(Path(__file__).with_name("causal_conv1d.c"))).isoexec_causal_conv1d(
+    _lib().isoexec_causal_conv1d(
         ptr(ext), ptr(wt), ptr(first), ptr(out), ctypes.c_int64(first.numel()), ctypes.c_int64(ext.shape[1]),
         ctypes.c_int64(wt.shape[0]))
     return out
+
+
+@cache
+def _lib():
+    """The compiled ``causal_conv1d.c``."""
+    from isoexec.kernels.native_build import load_c_kernel
+
+    return load_c_kernel(str(Path(__file__).with_name("causal_conv1d.c")))
 
 
 def _taps_ref(ext: torch.Tensor, wt: torch.Tensor, first: torch.Tensor) -> torch.Tensor:

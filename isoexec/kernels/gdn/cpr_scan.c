@@ -15,9 +15,10 @@
  *
  * Passes: the update of token t (S + k u^T, o_t) and the decay of token t+1 (S * d, kv) touch each
  * row of S in the same order, so they run in one pass over the state: one pass per token, plus one
- * for the first token's decay (which reads the start state, so the copy costs no pass of its own).
- * Every element sees the same operations in the same order as in two passes per token; only the
- * memory traffic changes.
+ * that only reads the start state for the first token's kv; the first update pass recomputes the
+ * decayed start state (the same product) as it reads it, so the decayed state is never stored on its
+ * own (a decode step reads the state twice and writes it once). Every element sees the same
+ * operations in the same order as in two passes per token; only the memory traffic changes.
  *
  * Registers: the columns are processed in blocks of JB (64) columns, each block's kv, u and o
  * accumulators held in vector registers over the DK rows (GCC vector extensions; the compiler lowers
@@ -28,7 +29,7 @@
  * Layout: tokens [N, H, D] (row-major, fp32); segment s covers token rows row0[s] .. row0[s]+len[s]-1,
  * starts from the H states at src[s] ([H, DK, DV] contiguous) and leaves its final states at dst[s]
  * (the same layout); dst[s] == src[s] updates the states in place (a decode step advancing a sequence's
- * running state: no copy, half the memory traffic), with the same operations on every element. Several
+ * running state: no copy), with the same operations on every element. Several
  * segments may share one dst whose states nobody reads (segments are processed in order).
  * o [N, H, DV] receives the outputs of those rows.
  */
@@ -43,86 +44,89 @@ typedef float vfu __attribute__((vector_size(VW * sizeof(float)), aligned(sizeof
 static inline vf ld(const float *p) { return *(const vfu *)p; }
 static inline void st(float *p, vf x) { *(vfu *)p = x; }
 
-/* Decay of the first token from the start state A into S (A may be S), kv = k^T S, columns j0..j0+JB. */
-static inline void decay_block(float *S, const float *A, const float *restrict kt, float d, float *restrict kv,
-                               int64_t DK, int64_t DV, int64_t j0) {
+/* kv = k^T (A d) of the first token, from its start state A, columns j0..j0+JB; A is only read (the
+ * update pass recomputes A d, the same product, so the decayed state is never stored on its own). */
+static inline void kv_block(const float *restrict A, const float *restrict kt, float d, float *restrict kv,
+                            int64_t DK, int64_t DV, int64_t j0) {
     vf a[NV] = {0};
     for (int64_t i = 0; i < DK; ++i) {
         const float ki = kt[i];
-        for (int v = 0; v < NV; ++v) {
-            const vf s = ld(A + i * DV + j0 + v * VW) * d;
-            st(S + i * DV + j0 + v * VW, s);
-            a[v] = a[v] + ki * s;
-        }
+        for (int v = 0; v < NV; ++v) a[v] = a[v] + ki * (ld(A + i * DV + j0 + v * VW) * d);
     }
     for (int v = 0; v < NV; ++v) st(kv + j0 + v * VW, a[v]);
 }
 
 /* The same for one column j (the tail). */
-static inline void decay_col(float *S, const float *A, const float *restrict kt, float d, float *restrict kv,
-                             int64_t DK, int64_t DV, int64_t j) {
+static inline void kv_col(const float *restrict A, const float *restrict kt, float d, float *restrict kv,
+                          int64_t DK, int64_t DV, int64_t j) {
     float a = 0.0f;
-    for (int64_t i = 0; i < DK; ++i) {
-        const float s = A[i * DV + j] * d;
-        S[i * DV + j] = s;
-        a = a + kt[i] * s;
-    }
+    for (int64_t i = 0; i < DK; ++i) a = a + kt[i] * (A[i * DV + j] * d);
     kv[j] = a;
 }
 
-/* Update of token t (S + k u^T, o_t = q^T S) and, with kn != NULL, decay of token t+1 (S * dn, kv = kn^T S),
- * in one pass; columns j0..j0+JB. kv holds token t's kv on entry and token t+1's on return. */
-static inline void update_block(float *restrict S, const float *restrict kt, const float *restrict qt,
-                                const float *restrict vt, float b, const float *restrict kn, float dn,
-                                float *restrict kv, float *restrict ot, int64_t DK, int64_t DV, int64_t j0) {
+/* Update of token t (S + k u^T, o_t = q^T S) and, when has_next, decay of token t+1 (S * dn, kv = kn^T S),
+ * in one pass over columns j0..j0+JB, reading the state from In and writing it to Out (the same buffer
+ * or not). first: In is the segment's start state and token t's decay d0 is applied as it is read
+ * (In * d0, the product kv_block used). kv holds token t's kv on entry and token t+1's on return.
+ * Always inlined with constant first / has_next, so each combination compiles to its own loop. */
+static inline __attribute__((always_inline)) void update_block(
+        float *Out, const float *In, int first, float d0, const float *restrict kt, const float *restrict qt,
+        const float *restrict vt, float b, int has_next, const float *restrict kn, float dn, float *restrict kv,
+        float *restrict ot, int64_t DK, int64_t DV, int64_t j0) {
     vf u[NV], acc[NV] = {0}, a[NV] = {0};
     for (int v = 0; v < NV; ++v) u[v] = (ld(vt + j0 + v * VW) - ld(kv + j0 + v * VW)) * b;
-    if (kn) {
-        for (int64_t i = 0; i < DK; ++i) {
-            const float ki = kt[i], qi = qt[i], kni = kn[i];
-            float *Si = S + i * DV + j0;
-            for (int v = 0; v < NV; ++v) {
-                const vf s = ld(Si + v * VW) + ki * u[v];
-                acc[v] = acc[v] + qi * s;
+    for (int64_t i = 0; i < DK; ++i) {
+        const float ki = kt[i], qi = qt[i], kni = has_next ? kn[i] : 0.0f;
+        const float *Ii = In + i * DV + j0;
+        float *Oi = Out + i * DV + j0;
+        for (int v = 0; v < NV; ++v) {
+            const vf x = first ? ld(Ii + v * VW) * d0 : ld(Ii + v * VW);
+            const vf s = x + ki * u[v];
+            acc[v] = acc[v] + qi * s;
+            if (has_next) {
                 const vf sn = s * dn;
-                st(Si + v * VW, sn);
+                st(Oi + v * VW, sn);
                 a[v] = a[v] + kni * sn;
-            }
-        }
-        for (int v = 0; v < NV; ++v) st(kv + j0 + v * VW, a[v]);
-    } else {
-        for (int64_t i = 0; i < DK; ++i) {
-            const float ki = kt[i], qi = qt[i];
-            float *Si = S + i * DV + j0;
-            for (int v = 0; v < NV; ++v) {
-                const vf s = ld(Si + v * VW) + ki * u[v];
-                st(Si + v * VW, s);
-                acc[v] = acc[v] + qi * s;
+            } else {
+                st(Oi + v * VW, s);
             }
         }
     }
+    if (has_next)
+        for (int v = 0; v < NV; ++v) st(kv + j0 + v * VW, a[v]);
     for (int v = 0; v < NV; ++v) st(ot + j0 + v * VW, acc[v]);
 }
 
 /* The same for one column j (the tail). */
-static inline void update_col(float *restrict S, const float *restrict kt, const float *restrict qt,
-                              const float *restrict vt, float b, const float *restrict kn, float dn,
-                              float *restrict kv, float *restrict ot, int64_t DK, int64_t DV, int64_t j) {
+static inline void update_col(float *Out, const float *In, int first, float d0, const float *restrict kt,
+                              const float *restrict qt, const float *restrict vt, float b, int has_next,
+                              const float *restrict kn, float dn, float *restrict kv, float *restrict ot,
+                              int64_t DK, int64_t DV, int64_t j) {
     const float u = (vt[j] - kv[j]) * b;
     float acc = 0.0f, a = 0.0f;
     for (int64_t i = 0; i < DK; ++i) {
-        const float s = S[i * DV + j] + kt[i] * u;
+        const float x = first ? In[i * DV + j] * d0 : In[i * DV + j];
+        const float s = x + kt[i] * u;
         acc = acc + qt[i] * s;
-        if (kn) {
+        if (has_next) {
             const float sn = s * dn;
-            S[i * DV + j] = sn;
+            Out[i * DV + j] = sn;
             a = a + kn[i] * sn;
         } else {
-            S[i * DV + j] = s;
+            Out[i * DV + j] = s;
         }
     }
-    if (kn) kv[j] = a;
+    if (has_next) kv[j] = a;
     ot[j] = acc;
+}
+
+/* One token's update over all columns (the blocks, then the tail). */
+static inline __attribute__((always_inline)) void update_all(
+        float *Out, const float *In, int first, float d0, const float *kt, const float *qt, const float *vt, float b,
+        int has_next, const float *kn, float dn, float *kv, float *ot, int64_t DK, int64_t DV, int64_t jb_end) {
+    for (int64_t j = 0; j < jb_end; j += JB)
+        update_block(Out, In, first, d0, kt, qt, vt, b, has_next, kn, dn, kv, ot, DK, DV, j);
+    for (int64_t j = jb_end; j < DV; ++j) update_col(Out, In, first, d0, kt, qt, vt, b, has_next, kn, dn, kv, ot, DK, DV, j);
 }
 
 void isoexec_cpr_scan(float *const *dst, const float *const *src, const float *restrict q, const float *restrict k,
@@ -140,19 +144,24 @@ void isoexec_cpr_scan(float *const *dst, const float *const *src, const float *r
                 if (St != S0) memcpy(St, S0, (size_t)(DK * DV) * sizeof(float));
                 continue;
             }
-            {   /* decay of the first token, from the start state (the same operations in place or not) */
+            {   /* kv of the first token, from the start state (read only) */
                 const int64_t r = t0 * H + h;
-                for (int64_t j = 0; j < jb_end; j += JB) decay_block(St, S0, k + r * DK, decay[r], kv, DK, DV, j);
-                for (int64_t j = jb_end; j < DV; ++j) decay_col(St, S0, k + r * DK, decay[r], kv, DK, DV, j);
+                for (int64_t j = 0; j < jb_end; j += JB) kv_block(S0, k + r * DK, decay[r], kv, DK, DV, j);
+                for (int64_t j = jb_end; j < DV; ++j) kv_col(S0, k + r * DK, decay[r], kv, DK, DV, j);
             }
             for (int64_t t = t0; t < t1; ++t) {
                 const int64_t r = t * H + h;
                 const float *kt = k + r * DK, *qt = q + r * DK, *vt = v + r * DV;
-                const float *kn = t + 1 < t1 ? k + (r + H) * DK : NULL;  /* update of t, then decay of t+1 */
-                const float dn = t + 1 < t1 ? decay[r + H] : 0.0f;
-                for (int64_t j = 0; j < jb_end; j += JB)
-                    update_block(St, kt, qt, vt, beta[r], kn, dn, kv, o + r * DV, DK, DV, j);
-                for (int64_t j = jb_end; j < DV; ++j) update_col(St, kt, qt, vt, beta[r], kn, dn, kv, o + r * DV, DK, DV, j);
+                float *ot = o + r * DV;
+                const int first = t == t0, has_next = t + 1 < t1;
+                const float *kn = has_next ? k + (r + H) * DK : NULL;
+                const float dn = has_next ? decay[r + H] : 0.0f;
+                const float *In = first ? S0 : St;
+                /* the four (first, has_next) combinations, each with its own compiled loop */
+                if (first && has_next) update_all(St, In, 1, decay[r], kt, qt, vt, beta[r], 1, kn, dn, kv, ot, DK, DV, jb_end);
+                else if (first) update_all(St, In, 1, decay[r], kt, qt, vt, beta[r], 0, kn, dn, kv, ot, DK, DV, jb_end);
+                else if (has_next) update_all(St, In, 0, 0.0f, kt, qt, vt, beta[r], 1, kn, dn, kv, ot, DK, DV, jb_end);
+                else update_all(St, In, 0, 0.0f, kt, qt, vt, beta[r], 0, kn, dn, kv, ot, DK, DV, jb_end);
             }
         }
     }

@@ -31,6 +31,7 @@ The gating region (``gdn.gating``, :func:`iso_gating`) lives here too.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
 
 import torch
 
@@ -149,6 +150,7 @@ def _scan(starts: list[torch.Tensor], dsts: list[torch.Tensor], q, k, v, g, beta
     return o
 
 
+@cache
 def _lib(source: str):
     """The compiled C kernel ``source`` of this folder (``cpr_scan.c``, ``cpr_ut_inverse.c``,
     ``cpr_scan_backward.c``)."""
