@@ -37,7 +37,7 @@ class SequenceCache:
             (K, V) ``[position + n, Hkv, D]``: views of every key and value of the sequence so far.
         """
         end = self.position + k.shape[0]
-        kbuf, vbuf = self.kv.get(layer, (k.new_empty((0, *k.shape[1:])), v.new_empty((0, *v.shape[1:]))))
+        kbuf, vbuf = self.kv[layer] if layer in self.kv else (k.new_empty((0, *k.shape[1:])), v.new_empty((0, *v.shape[1:])))
         if kbuf.shape[0] < end:
             cap = max(end, 2 * kbuf.shape[0], 16)
             kbuf = torch.cat([kbuf[: self.position], k.new_empty((cap - self.position, *k.shape[1:]))])
