@@ -198,6 +198,8 @@ class CPRTrainerFunction(torch.autograd.Function):
         for n in ctx.lengths[:-1]:
             row0.append(row0[-1] + n)
         r0, ln = torch.tensor(row0, dtype=torch.int64), torch.tensor(ctx.lengths, dtype=torch.int64)
+        if not all(e.is_contiguous() and e.dtype == torch.float32 for e in entries):
+            raise RuntimeError("cpr_gdn's chunk entries must be contiguous fp32 [H, Dk, Dv] states")
         ent = torch.tensor([e.data_ptr() for e in entries], dtype=torch.int64)
         ptr = lambda t: ctypes.c_void_p(t.data_ptr())  # noqa: E731
         rc = _lib("cpr_scan_backward.c").isoexec_gdn_backward(
