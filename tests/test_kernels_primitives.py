@@ -43,6 +43,29 @@ def test_tree_sum_c_kernel_has_the_bits_of_the_torch_tree(n):
     assert torch.equal(tree_sum(x.transpose(0, 1), -1), t.squeeze(-1).transpose(0, 1))  # non-contiguous input
 
 
+def test_tree_sum_c_kernel_keeps_the_torch_nan_bits_and_ignores_the_default_dtype():
+    """Where two NaNs meet in one add (inf + -inf, then the row's NaN) the C path returns the torch tree's
+    NaN bits; its buffers are fp32 whatever torch's default dtype (vLLM's loader sets bf16)."""
+    rows = torch.tensor([[float("inf"), float("nan"), float("-inf"), 0.0], [float("nan"), float("inf"), 0.0, float("-inf")],
+                         [1.0, 2.0, 3.0, 4.0]])
+    c = tree_sum(rows, -1)
+    t = tree_sum(rows.clone().requires_grad_(True), -1).detach()
+    assert torch.equal(c.view(torch.int32), t.view(torch.int32))
+    old = torch.get_default_dtype()
+    try:
+        torch.set_default_dtype(torch.float64)
+        assert torch.equal(tree_sum(torch.arange(8, dtype=torch.float32).reshape(2, 4), -1), torch.tensor([6.0, 22.0]).float())
+    finally:
+        torch.set_default_dtype(old)
+
+
+def test_causal_conv1d_refuses_a_weight_of_other_channels():
+    from isoexec.kernels.conv.cpu import iso_causal_conv1d
+
+    with pytest.raises(ValueError, match=r"\[8, Kc\].*\(4, 4\)"):
+        iso_causal_conv1d([torch.randn(3, 8)], torch.randn(4, 4), [torch.zeros(3, 8)])
+
+
 def test_tree_sum_is_fixed_order_and_correct():
     torch.manual_seed(0)
     x = torch.randn(37, 100, dtype=torch.float64)

@@ -148,7 +148,8 @@ def tree_sum(x: torch.Tensor, dim: int = -1, keepdim: bool = False) -> torch.Ten
     The order of additions depends only on ``x.shape[dim]``, never on the other dimensions, the
     thread count or the element's position. Differentiable. Without autograd, an fp32 sum over the
     last dimension runs in the C kernel ``reduce/tree_sum.c`` (the same adds, one call instead of
-    ``log2(n)`` torch ops).
+    ``log2(n)`` torch ops); a sum that comes out NaN is recomputed by the torch tree, whose add keeps
+    another operand's NaN sign and payload than C's when two NaNs meet.
     """
     dim = dim % x.dim()
     n = x.shape[dim]
@@ -157,7 +158,11 @@ def tree_sum(x: torch.Tensor, dim: int = -1, keepdim: bool = False) -> torch.Ten
         p *= 2
     if (dim == x.dim() - 1 and x.dtype == torch.float32 and x.device.type == "cpu" and n > 0
             and not (torch.is_grad_enabled() and x.requires_grad)):
-        return _c_tree_sum(x, p, keepdim)
+        out = _c_tree_sum(x, p, keepdim)
+        if not torch.isnan(out).any():
+            return out
+        # two NaNs meeting in one add: the C add and torch's keep different operands' sign and payload,
+        # so a NaN sum takes the torch tree below (its bits are the definition)
     if p != n:
         shape = list(x.shape)
         shape[dim] = p - n
@@ -174,8 +179,8 @@ def _c_tree_sum(x: torch.Tensor, p: int, keepdim: bool) -> torch.Tensor:
 
     n = x.shape[-1]
     xc = x.contiguous()
-    out = torch.empty(x.shape[:-1] + ((1,) if keepdim else ()))
-    work = torch.empty(p)
+    out = torch.empty(x.shape[:-1] + ((1,) if keepdim else ()), dtype=torch.float32)
+    work = torch.empty(p, dtype=torch.float32)
     ptr = lambda t: ctypes.c_void_p(t.data_ptr())  # noqa: E731
     _tree_sum_lib().isoexec_tree_sum(
         ptr(xc), ptr(out), ctypes.c_int64(xc.numel() // n), ctypes.c_int64(n), ctypes.c_int64(p), ptr(work))

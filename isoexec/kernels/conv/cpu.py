@@ -32,6 +32,9 @@ def iso_causal_conv1d(pieces: list[torch.Tensor], w: torch.Tensor, prefixes: lis
     """
     kc = w.shape[1]
     dtype = pieces[0].dtype
+    channels = pieces[0].shape[-1]
+    if w.dim() != 2 or w.shape[0] != channels:
+        raise ValueError(f"gdn.conv1d: the weight must be [channels, taps] = [{channels}, Kc], got {tuple(w.shape)}")
     parts = [t for x, p in zip(pieces, prefixes) for t in (p if p.dtype == dtype else p.to(dtype), x)]
     ext = torch.cat(parts, dim=0).float()  # [prefix_0 | x_0 | prefix_1 | x_1 | ...]
     lens = torch.tensor([x.shape[0] for x in pieces], dtype=torch.long)
@@ -53,7 +56,7 @@ def _taps(ext: torch.Tensor, wt: torch.Tensor, first: torch.Tensor) -> torch.Ten
     import ctypes
 
     ext, wt, first = ext.detach().contiguous(), wt.detach().contiguous(), first.contiguous()
-    out = torch.empty(first.numel(), ext.shape[1])
+    out = torch.empty(first.numel(), ext.shape[1], dtype=torch.float32)
     ptr = lambda t: ctypes.c_void_p(t.data_ptr())  # noqa: E731
     _lib().isoexec_causal_conv1d(
         ptr(ext), ptr(wt), ptr(first), ptr(out), ctypes.c_int64(first.numel()), ctypes.c_int64(ext.shape[1]),

@@ -71,7 +71,7 @@ class CPRState:
 
     @classmethod
     def zeros(cls, chunk_size: int, h: int, dk: int, dv: int) -> "CPRState":
-        z = torch.zeros(h, dk, dv)
+        z = torch.zeros(h, dk, dv, dtype=torch.float32)
         return cls(chunk_size, z, z)
 
 
@@ -98,7 +98,7 @@ def _ut_inverse(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> tuple[t
     lower = torch.ones(C, C, dtype=torch.bool).tril(-1)
     A = torch.where(lower, beta[:, :, None] * kk * torch.exp(torch.where(lower, diff, torch.zeros_like(diff))), 0.0)
     A = A.float().contiguous()
-    T = torch.empty(M, C, C)
+    T = torch.empty(M, C, C, dtype=torch.float32)
     _lib("cpr_ut_inverse.c").isoexec_ut_inverse(ctypes.c_void_p(A.data_ptr()), ctypes.c_void_p(T.data_ptr()),
                                                 ctypes.c_int64(M), ctypes.c_int64(C))
     return T, G
@@ -138,11 +138,11 @@ def _scan(starts: list[torch.Tensor], dsts: list[torch.Tensor], q, k, v, g, beta
     decay = torch.exp(g.float()).contiguous()
     if not all(t.is_contiguous() for t in (*starts, *dsts)):
         raise ValueError("cpr_scan: start and final states must be contiguous [H, Dk, Dv] tensors")
-    o = torch.zeros(N, H, Dv)
+    o = torch.zeros(N, H, Dv, dtype=torch.float32)
     meta = torch.tensor(segments, dtype=torch.int64).reshape(-1, 2).t().contiguous()
     src = torch.tensor([t.data_ptr() for t in starts], dtype=torch.int64)
     dst = torch.tensor([t.data_ptr() for t in dsts], dtype=torch.int64)
-    work = torch.empty(Dv)
+    work = torch.empty(Dv, dtype=torch.float32)
     ptr = lambda t: ctypes.c_void_p(t.data_ptr())  # noqa: E731
     lib.isoexec_cpr_scan(ptr(dst), ptr(src), ptr(q), ptr(k), ptr(v), ptr(decay), ptr(beta), ptr(o), ptr(meta[0]),
                          ptr(meta[1]), ctypes.c_int64(len(segments)), ctypes.c_int64(H), ctypes.c_int64(Dk),
@@ -192,8 +192,8 @@ class CPRTrainerFunction(torch.autograd.Function):
         k, v, beta = (x.float().contiguous() for x in (k, v, beta))
         decay = torch.exp(g.float()).contiguous()
         do = do.float().contiguous()
-        dq, dk, dv = torch.empty(N, H, Dk), torch.empty(N, H, Dk), torch.empty(N, H, Dv)
-        dd, db = torch.empty(N, H), torch.empty(N, H)
+        dq, dk, dv = (torch.empty(N, H, d, dtype=torch.float32) for d in (Dk, Dk, Dv))
+        dd, db = torch.empty(N, H, dtype=torch.float32), torch.empty(N, H, dtype=torch.float32)
         row0 = [0]
         for n in ctx.lengths[:-1]:
             row0.append(row0[-1] + n)
@@ -310,10 +310,10 @@ def cpr_gdn(
             a, b = max(c * C, n_open), min((c + 1) * C, m[i])
             start = st.running if c == n_open // C else entries[(i, c)]
             if keep_state and c == touched[-1] and m[i] % C:  # (at a chunk boundary the state resyncs instead)
-                dst = start if start is st.running and st.owns_running else torch.empty(H, Dk, Dv)
+                dst = start if start is st.running and st.owns_running else torch.empty(H, Dk, Dv, dtype=torch.float32)
                 final_running[i] = dst
             else:
-                scratch = torch.empty(H, Dk, Dv) if scratch is None else scratch
+                scratch = torch.empty(H, Dk, Dv, dtype=torch.float32) if scratch is None else scratch
                 dst = scratch
             seg_state.append(start)
             seg_dst.append(dst)
