@@ -143,8 +143,6 @@ class KernelSection(_Section):
                                   "ascending FMA chain over K per output, so the tiles move no bit)")
     col_tile: PositiveInt = Field(16, description="CPU: output features per cache tile of the C GEMM (moves no bit); "
                                   "the unit of a column-parallel shard (pik_column_linear)")
-    attn_row_tile: PositiveInt = Field(16, description="CPU: query rows per attention tile (one sequence and KV head); "
-                                       "a decode step fills one tile per sequence, so this stays small")
     leaves: PositiveInt = Field(8, description="pik leaves over K of the row-parallel GEMMs (out_proj, down_proj); TP must divide it")
     kv_block: PositiveInt = Field(64, description="attention KV block size in absolute positions")
     vocab_block: PositiveInt = Field(256, description="vocabulary block of the logprob reduction")

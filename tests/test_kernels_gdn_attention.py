@@ -168,13 +168,59 @@ def test_attention_matches_sdpa_and_decode_is_bitwise():
     torch.manual_seed(0)
     n, hq, hkv, d = 45, 4, 2, 32
     q, k, v = torch.randn(n, hq, d), torch.randn(n, hkv, d), torch.randn(n, hkv, d)
-    full = iso_attention(q, [(k, v)], [0], [n], 16, 16)
+    full = iso_attention(q, [(k, v)], [0], [n], 16)
     assert (full - native_attention(q, [(k, v)], [0], [n])).abs().max() < 1e-5
-    dec = torch.cat([iso_attention(q[t : t + 1], [(k[: t + 1], v[: t + 1])], [t], [1], 16, 16) for t in range(n)])
+    dec = torch.cat([iso_attention(q[t : t + 1], [(k[: t + 1], v[: t + 1])], [t], [1], 16) for t in range(n)])
     assert torch.equal(dec, full)
     nat_full = native_attention(q, [(k, v)], [0], [n])
     nat_dec = torch.cat([native_attention(q[t : t + 1], [(k[: t + 1], v[: t + 1])], [t], [1]) for t in range(n)])
     assert not torch.equal(nat_dec, nat_full)  # negative control
+
+
+def test_attention_batch_composition_and_row_stride_move_no_bit():
+    """A sequence's rows get the same bits alone or beside others, in bf16 cache buffers or in strided
+    views of a [batch, seq] tensor (Megatron's layout); a mid-sequence chunk equals the prefill's rows."""
+    torch.manual_seed(1)
+    hq, hkv, d, lens = 4, 2, 32, [70, 9, 131]
+    qs = [torch.randn(n, hq, d).bfloat16() for n in lens]
+    kvs = [(torch.randn(n, hkv, d).bfloat16(), torch.randn(n, hkv, d).bfloat16()) for n in lens]
+    alone = [iso_attention(q, [kv], [0], [len(q)], 64) for q, kv in zip(qs, kvs)]
+    batch = iso_attention(torch.cat(qs), kvs, [0, 0, 0], lens, 64)
+    assert torch.equal(batch, torch.cat(alone))
+    sk = torch.zeros(max(lens), len(lens), hkv, d, dtype=torch.bfloat16)  # [s, b, h, d]: a sequence's rows strided
+    sv = torch.zeros_like(sk)
+    for b, (k, v) in enumerate(kvs):
+        sk[: lens[b], b], sv[: lens[b], b] = k, v
+    strided = [(sk[:n, b], sv[:n, b]) for b, n in enumerate(lens)]
+    assert not strided[0][0].is_contiguous()
+    assert torch.equal(iso_attention(torch.cat(qs), strided, [0, 0, 0], lens, 64), batch)
+    mixed = [(sk[:n, b], kvs[b][1]) for b, n in enumerate(lens)]  # K and V with different row strides
+    assert torch.equal(iso_attention(torch.cat(qs), mixed, [0, 0, 0], lens, 64), batch)
+    k, v = kvs[2]
+    chunk = iso_attention(qs[2][100:120], [(k[:120], v[:120])], [100], [20], 64)
+    assert torch.equal(chunk, alone[2][100:120])
+
+
+def test_attention_gradient_matches_fp64_reference():
+    torch.manual_seed(2)
+    hq, hkv, d, lens = 4, 2, 32, [70, 81]
+    q, k, v = (torch.randn(sum(lens), h, d, requires_grad=True) for h in (hq, hkv, hkv))
+    split = list(zip(k.split(lens), v.split(lens)))
+    out = iso_attention(q, split, [0, 0], lens, 64)
+    w = torch.randn_like(out)
+    (out * w).sum().backward()
+    qd, kd, vd = (x.detach().double().requires_grad_(True) for x in (q, k, v))
+    ref = native_attention(qd, list(zip(kd.split(lens), vd.split(lens))), [0, 0], lens)
+    assert (out.double() - ref).abs().max() < 1e-5
+    (ref * w.double()).sum().backward()
+    for a, b in ((q, qd), (k, kd), (v, vd)):
+        assert (a.grad.double() - b.grad).abs().max() < 2e-5
+
+
+def test_attention_refuses_a_cache_shorter_than_its_positions():
+    q, k = torch.randn(3, 2, 16), torch.randn(4, 1, 16)
+    with pytest.raises(ValueError, match=r"2 cached and 3 new tokens"):
+        iso_attention(q, [(k, k)], [2], [3], 64)
 
 
 def test_cpr_state_refuses_to_continue_under_another_chunk_size():

@@ -125,6 +125,76 @@ def test_causal_conv1d_bits_per_position_whatever_the_pieces_and_autograd():
     assert all(torch.equal(a.detach(), b) for a, b in zip(yg, yf)) and xg[0].grad is not None
 
 
+def test_causal_conv1d_gradient_matches_fp64_reference():
+    """The C backward of the tap sums (inputs, prefixes and weights) against autograd of the fp64 tap sum."""
+    from isoexec.kernels.conv.cpu import iso_causal_conv1d
+
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randn(n, 24, generator=g).requires_grad_(True) for n in (1, 9, 70)]
+    pre = [torch.randn(3, 24, generator=g).requires_grad_(True) for _ in xs]
+    w = torch.randn(24, 4, generator=g).requires_grad_(True)
+    ys, _ = iso_causal_conv1d(xs, w, pre)
+    ws = [torch.randn_like(y) for y in ys]
+    sum((y * c).sum() for y, c in zip(ys, ws)).backward()
+    xd, pd, wd = [x.detach().double().requires_grad_(True) for x in xs], [p.detach().double().requires_grad_(True) for p in pre], w.detach().double().requires_grad_(True)
+    total = 0
+    for x, p, c in zip(xd, pd, ws):
+        ext = torch.cat([p, x])
+        acc = sum(ext[j : j + len(x)] * wd[:, j] for j in range(4))
+        total = total + (torch.nn.functional.silu(acc) * c.double()).sum()
+    total.backward()
+    for a, b in [*zip(xs, xd), *zip(pre, pd), (w, wd)]:
+        assert (a.grad.double() - b.grad).abs().max() < 1e-5 * max(1.0, b.grad.abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("d", [1, 7, 64, 100, 128])
+def test_norm_c_kernels_give_one_forward_in_every_case_and_the_reference_gradient(dtype, d):
+    """norms.c's rows (magnitudes 1e-20..1e15, a zero row): the same bits with and without autograd and
+    for a row alone, within 2 ulp-ish of an fp64 reference; the gradient is the torch expression's
+    (checked against fp64)."""
+    from isoexec.kernels.norm import cpu as norm
+
+    g = torch.Generator().manual_seed(d)
+    scale = torch.exp2(torch.randint(-66, 50, (300, 1), generator=g).float())
+    x = (torch.randn(300, d, generator=g) * scale).to(dtype)
+    x[0] = 0
+    z = (torch.randn(300, d, generator=g) * 8).to(dtype)
+    w = torch.randn(d, generator=g).to(dtype)
+
+    def ref64(name, a):
+        a64 = a.double()
+        if name == "l2":
+            return a64 / torch.sqrt((a64 * a64).sum(-1, keepdim=True) + 1e-6)
+        y = a64 / torch.sqrt((a64 * a64).mean(-1, keepdim=True) + 1e-6)
+        if name == "gated":
+            return w.double() * y * torch.nn.functional.silu(z.double())
+        return y * ((1 + w.double()) if name == "rms" else w.double())
+
+    cases = {"rms": lambda a, r=slice(None): norm.iso_rms_norm(a, w, 1e-6),
+             "rms_w": lambda a, r=slice(None): norm.iso_rms_norm(a, w, 1e-6, False),
+             "gated": lambda a, r=slice(None): norm.iso_gated_rms_norm(a, z[r], w, 1e-6),
+             "l2": lambda a, r=slice(None): norm.iso_l2norm(a)}
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    for name, fn in cases.items():
+        fast = fn(x)
+        alone = [fn(x[i : i + 1], slice(i, i + 1)) for i in (0, 5, 299)]
+        assert torch.equal(torch.cat(alone), fast[[0, 5, 299]]), name
+        xg = x.clone().requires_grad_(True)
+        with torch.enable_grad():
+            out = fn(xg)
+            out.float().sum().backward()
+        assert torch.equal(out.detach(), fast), name  # trainer_fwd's forward == engine's
+        ref = ref64(name, x)
+        assert ((fast.double() - ref).abs() <= tol * ref.abs().clamp(min=1e-30) + 1e-30).all(), name
+        if d == 1:
+            continue  # one feature: the normalised row is +-1, its gradient 0 up to rounding
+        x64 = x.double().requires_grad_(True)
+        ref64(name, x64).sum().backward()
+        rel = (xg.grad.double() - x64.grad).abs() / x64.grad.abs().amax(-1, keepdim=True).clamp(min=1e-300)
+        assert rel.max() < (5e-2 if dtype == torch.bfloat16 else 1e-4), name
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_tile_mm_column_bits_independent_of_position_neighbours_and_tiles(dtype):
     """Why a tensor-parallel rank's output features reproduce the full product's columns: in

@@ -78,3 +78,10 @@ def load_c_kernel(source: str) -> ctypes.CDLL:
                 raise RuntimeError(f"compiling {src.name} with {cc} failed:\n{r.stderr}")
             os.replace(out, lib)  # atomic: concurrent builders leave one complete library
     return ctypes.CDLL(str(lib))
+
+
+@cache
+def kernel_library(anchor: str, relative: str) -> ctypes.CDLL:
+    """The C kernel ``relative`` to the folder of the file ``anchor`` (a kernel module's ``__file__``),
+    built and loaded by :func:`load_c_kernel`; looked up once per (anchor, relative)."""
+    return load_c_kernel(str(Path(anchor).parent / relative))

@@ -19,12 +19,10 @@ Why these exist (measured on the project's CPUs, see ``tests/test_kernels_primit
 
 from __future__ import annotations
 
-from functools import cache
-from pathlib import Path
-
 import torch
 
 from isoexec.kernels.gemm.fma import bf16_pair_gemm, fma_gemm, pin_panels
+from isoexec.kernels.native_build import kernel_library
 
 
 def _c_gemm(x, w, row_tile, col_tile, leaves):
@@ -182,17 +180,9 @@ def _c_tree_sum(x: torch.Tensor, p: int, keepdim: bool) -> torch.Tensor:
     out = torch.empty(x.shape[:-1] + ((1,) if keepdim else ()), dtype=torch.float32)
     work = torch.empty(p, dtype=torch.float32)
     ptr = lambda t: ctypes.c_void_p(t.data_ptr())  # noqa: E731
-    _tree_sum_lib().isoexec_tree_sum(
+    kernel_library(__file__, "reduce/tree_sum.c").isoexec_tree_sum(
         ptr(xc), ptr(out), ctypes.c_int64(xc.numel() // n), ctypes.c_int64(n), ctypes.c_int64(p), ptr(work))
     return out
-
-
-@cache
-def _tree_sum_lib():
-    """The compiled ``reduce/tree_sum.c``."""
-    from isoexec.kernels.native_build import load_c_kernel
-
-    return load_c_kernel(str(Path(__file__).with_name("reduce") / "tree_sum.c"))
 
 
 def sigmoid(x: torch.Tensor) -> torch.Tensor:

@@ -155,13 +155,14 @@ def _isoexec_cpu(k) -> list[Impl]:
         return {"boundary_dtype": _dtype_name(dt), "k_order": K_ORDER_BF16_PAIRS if pairs else K_ORDER,
                 "gemm_source": "gemm/bf16_gemm.c" if pairs else "gemm/fma_gemm.c"}
     tree = {"reduction": "binary_tree_pow2", "acc_dtype": "float32"}
+    norms = {**tree, "sqrt": norm.SQRT, "source": "norm/norms.c", "cflags": " ".join(CFLAGS)}
     col = partial(iso_linear, row_tile=k.row_tile, col_tile=k.col_tile)
     col_proof = "tests/test_kernels_primitives.py::test_tile_mm_column_bits_independent_of_position_neighbours_and_tiles"
     pik_proof = "tests/test_pik.py::test_pik_row_parallel_linear_is_bitwise_equal_across_tp_and_to_reference"
     return [
         Impl("embed", "isoexec.cpu.embedding_gather", V, A, {}, "gates:trainer_vs_engine", lambda table, ids: table[ids],
              lambda dt: {"dtype": _dtype_name(dt)}),
-        Impl("norm.rms", "isoexec.cpu.rms_norm", V, A, {**tree, "scale": "one_plus_w"}, "gates:batch_composition",
+        Impl("norm.rms", "isoexec.cpu.rms_norm", V, A, {**norms, "scale": "one_plus_w"}, "gates:batch_composition",
              norm.iso_rms_norm),
         *[Impl(r, "isoexec.cpu.fma_gemm", V, A, gemm, col_proof, col, bd) for r in COLUMN_PARALLEL_REGIONS],
         *[Impl(r, "isoexec.cpu.pik_leaf_gemm", V, A, pik, pik_proof, partial(iso_row_linear, row_tile=k.row_tile,
@@ -170,20 +171,22 @@ def _isoexec_cpu(k) -> list[Impl]:
         Impl("attn.rope", "isoexec.cpu.rope_elementwise", V, A, {}, "gates:trainer_vs_engine", rope.apply_rope,
              lambda dt: {"table_dtype": _dtype_name(dt)}),
         Impl("attn.core", "isoexec.cpu.blockwise_online_softmax", V, A,
-             {"kv_block": k.kv_block, "row_tile": k.attn_row_tile, "acc_dtype": "float32", "block_order": "ascending"},
-             "gates:prefill_split", partial(attn.iso_attention, row_tile=k.attn_row_tile, kv_block=k.kv_block)),
+             {**fma, "kv_block": k.kv_block, "block_order": "ascending", "per_row": True,
+              "score_order": "fmaf_chain_d_ascending", "value_order": "fmaf_chain_j_ascending",
+              "source": "attention/attention.c"},
+             "gates:prefill_split", partial(attn.iso_attention, kv_block=k.kv_block)),
         Impl("attn.gate", "isoexec.cpu.sigmoid_gate", V, A, {"math_dtype": "float32"}, "gates:trainer_vs_engine",
              attn.iso_sigmoid_gate),
         Impl("gdn.conv1d", "isoexec.cpu.causal_conv1d", V, A, {"order": "tap_ascending", "acc_dtype": "float32"},
              "gates:prefill_split", iso_causal_conv1d),
         Impl("gdn.gating", "isoexec.cpu.gdn_gating", V, A, {"math_dtype": "float32"}, "gates:trainer_vs_engine",
              gdn.iso_gating),
-        Impl("gdn.l2norm", "isoexec.cpu.l2norm", V, A, {**tree, "eps": 1e-6}, "gates:trainer_vs_engine", norm.iso_l2norm),
+        Impl("gdn.l2norm", "isoexec.cpu.l2norm", V, A, {**norms, "eps": 1e-6}, "gates:trainer_vs_engine", norm.iso_l2norm),
         Impl("gdn.core", "isoexec.cpu.cpr_gated_delta_rule", V, A,
              {"chunk_size": k.chunk_size, "state_dtype": "float32", "state_pass": "wy_ut_forward_subst_c_m_ascending",
               "in_chunk": "recurrent_c_scan", "scan_order": "dk_ascending_fp32_no_fma",
               "cflags": " ".join(CFLAGS), "decode_resync": True}, "gates:decode_chunk_boundaries", gdn_core),
-        Impl("gdn.norm", "isoexec.cpu.gated_rms_norm", V, A, tree, "gates:trainer_vs_engine", norm.iso_gated_rms_norm),
+        Impl("gdn.norm", "isoexec.cpu.gated_rms_norm", V, A, norms, "gates:trainer_vs_engine", norm.iso_gated_rms_norm),
         Impl("moe.router", "isoexec.cpu.router_softmax_stable_topk", V, A, {**gemm, "ties": "lower_id"},
              "gates:batch_composition", partial(moe.iso_router, row_tile=k.row_tile, col_tile=k.col_tile), bd),
         Impl("moe.experts", "isoexec.cpu.fma_swiglu_pik_down", V, A, mlp, "gates:batch_composition",

@@ -44,6 +44,8 @@ class Batch:
         self.starts, self.caches, self.grad = starts, caches, grad
         self.lengths = [int(r.numel()) for r in seq_rows]
         self.all_rows = torch.cat(self.seq_rows) if seq_rows else torch.zeros(0, dtype=torch.long, device=dev)
+        # the pieces are rows 0..N-1 in order (packed batches, engine steps): gathers and scatters are identities
+        self.dense = sum(self.lengths) == n_rows and torch.equal(self.all_rows.cpu(), torch.arange(n_rows))
         lengths = torch.tensor(self.lengths, dtype=torch.long)
         first = torch.cumsum(lengths, 0) - lengths  # each piece's first index in all_rows
         within = torch.arange(int(lengths.sum())) - torch.repeat_interleave(first, lengths)
@@ -54,10 +56,16 @@ class Batch:
 
     def pieces(self, *xs: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
         """Per tensor ``[N, ...]``, its rows of each sequence piece in order (one gather per tensor)."""
-        return [tuple(x[self.all_rows].split(self.lengths)) for x in xs]
+        return [tuple(self.gather(x).split(self.lengths)) for x in xs]
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """The rows of every piece of ``x [N, ...]``, concatenated in sequence order (``x`` itself when dense)."""
+        return x if self.dense else x[self.all_rows]
 
     def scatter(self, packed: torch.Tensor, n: int) -> torch.Tensor:
         """Place per-sequence outputs (concatenated in sequence order) back at their rows; pad rows get 0."""
+        if self.dense:
+            return packed
         out = packed.new_zeros((n, *packed.shape[1:]))
         return out.index_copy(0, self.all_rows, packed)
 
@@ -121,7 +129,7 @@ class Attention(nn.Module):
             if cache is not None:
                 kb, vb = cache.append_kv(self.layer_idx, kb.detach(), vb.detach())
             kv.append((kb, vb))
-        o = ks["attn.core"](q[batch.all_rows], kv, batch.starts, batch.lengths)
+        o = ks["attn.core"](batch.gather(q), kv, batch.starts, batch.lengths)
         o = batch.scatter(o, n)
         o = ks["attn.gate"](o.reshape(n, self.hq * self.d), gate)
         return ks["attn.out_proj"](o, self.o_proj.weight)
@@ -172,9 +180,8 @@ class GatedDeltaNet(nn.Module):
         q = ks["gdn.l2norm"](q.reshape(n, self.hk, self.dk)).repeat_interleave(r, dim=1)
         k = ks["gdn.l2norm"](k.reshape(n, self.hk, self.dk)).repeat_interleave(r, dim=1)
         v = v.reshape(n, self.hv, self.dv).float()
-        idx = batch.all_rows
         states = [None if c is None else c.gdn.get(self.layer_idx) for c in batch.caches]
-        o, new_states = ks["gdn.core"](q[idx], k[idx], v[idx], g[idx], beta[idx], batch.lengths, states, batch.grad)
+        o, new_states = ks["gdn.core"](*map(batch.gather, (q, k, v, g, beta)), batch.lengths, states, batch.grad)
         for cache, st in zip(batch.caches, new_states):
             if cache is not None:
                 cache.gdn[self.layer_idx] = st

@@ -5,13 +5,13 @@ One call serves every case: sequence b contributes ``n_b`` queries at absolute p
 the new keys). ``trainer_fwd`` / ``engine_prefill`` have ``start_b = 0``; chunked prefill and
 ``engine_decode`` have ``start_b`` = tokens already cached.
 
-isoexec (batch- and mode-invariant by construction): query rows are cut into tiles of ``row_tile``
-rows of one (sequence, kv head); keys are visited in fixed blocks of ``kv_block`` absolute positions,
-always from block 0 upwards, with one online-softmax update order (flash-attention style, fp32
-accumulators). A block that lies wholly after a query's position is an exact no-op for that row
-(``exp(-inf) = 0``, rescale by ``exp(0) = 1``), so the same query gets the same bits in prefill,
-chunked prefill and decode, alone or in any batch. Online softmax: Milakov & Gimelshein (2018);
-Dao et al., FlashAttention (2022).
+isoexec (batch- and mode-invariant by construction): the C kernel ``attention.c`` computes each query
+row on its own: keys are visited in fixed blocks of ``kv_block`` absolute positions, always from block
+0 upwards up to the row's position, with one online-softmax update order (fp32; fixed ``fmaf`` chains
+for the scores and the value sums). A row's bits depend only on its query, its position and its
+sequence's keys, so the same query gets the same bits in prefill, chunked prefill and decode, alone or
+in any batch. The gradient is the kernel's recomputation backward (``attention.c``, fp32, not
+bitwise). Online softmax: Milakov & Gimelshein (2018); Dao et al., FlashAttention (2022).
 
 The output gate of gated attention (region ``attn.gate``) is here too: ``x * sigmoid(gate)`` in fp32
 with the position-invariant sigmoid.
@@ -19,11 +19,13 @@ with the position-invariant sigmoid.
 
 from __future__ import annotations
 
+import ctypes
 import math
 
 import torch
 
-from isoexec.kernels.primitives import sigmoid, tree_sum
+from isoexec.kernels.native_build import kernel_library
+from isoexec.kernels.primitives import sigmoid
 
 
 def iso_attention(
@@ -31,104 +33,108 @@ def iso_attention(
     kv: list[tuple[torch.Tensor, torch.Tensor]],
     starts: list[int],
     lengths: list[int],
-    row_tile: int,
     kv_block: int,
 ) -> torch.Tensor:
-    """Blockwise causal attention with a fixed KV block size and one online-softmax order.
+    """Causal GQA attention with a fixed KV block size and one online-softmax order, per query row.
 
     Args:
         q: ``[N, Hq, D]`` queries (after norm and RoPE) of all sequences, concatenated in order.
-        kv: per sequence ``(K, V)``, each ``[start_b + n_b, Hkv, D]`` (cache + new keys).
+        kv: per sequence ``(K, V)``, each ``[start_b + n_b, Hkv, D]`` (cache + new keys), bf16 or fp32
+            (one dtype for all), any row stride.
         starts: per sequence, absolute position of its first query.
         lengths: per sequence, number of queries ``n_b`` (sum = N).
-        row_tile: query rows per tile. kv_block: keys per block (absolute positions).
+        kv_block: keys per block (absolute positions).
 
     Returns:
-        ``[N, Hq, D]`` in ``q.dtype``; scale ``1/sqrt(D)``. Differentiable.
+        ``[N, Hq, D]`` in ``q.dtype``; scale ``1/sqrt(D)``. Differentiable (q, K and V).
+
+    Raises:
+        ValueError: lengths not summing to N or per-sequence lists of different lengths, a sequence with
+            fewer than ``start_b + n_b`` keys, mixed K/V dtypes or shapes, or Hq not a multiple of Hkv.
     """
     n_total, hq, d = q.shape
-    if not lengths or n_total == 0:
+    if sum(lengths) != n_total or len(kv) != len(lengths) or len(starts) != len(lengths):
+        raise ValueError(f"attn.core: {n_total} query rows, lengths summing to {sum(lengths)}, "
+                         f"{len(kv)} K/V pairs, {len(starts)} starts, {len(lengths)} lengths")
+    if n_total == 0:
         return q.new_zeros(q.shape)
     hkv = kv[0][0].shape[1]
-    group = hq // hkv
-    scale = 1.0 / math.sqrt(d)
-    Q, P, dest, tile_seq, tile_head = _query_tiles(q.float() * scale, starts, lengths, hkv, group, row_tile)
-    nt = Q.shape[0]
-    n_blocks = max(math.ceil((s + n) / kv_block) for s, n in zip(starts, lengths))
-    Kt, Vt = _key_tiles(kv, tile_seq, tile_head, n_blocks * kv_block)  # [nt, Lpad, D] each
-    m = Q.new_full((nt, row_tile, 1), float("-inf"))
-    l = Q.new_zeros((nt, row_tile, 1))
-    acc = Q.new_zeros((nt, row_tile, d))
-    for blk in range(n_blocks):
-        k0 = blk * kv_block
-        kb = Kt[:, k0 : k0 + kv_block]  # [nt, Bk, D]
-        vb = Vt[:, k0 : k0 + kv_block].contiguous()
-        s = torch.bmm(Q, kb.transpose(1, 2).contiguous())  # [nt, T, Bk]
-        mask = torch.arange(k0, k0 + kv_block)[None, None, :] > P[:, :, None]
-        s = s.masked_fill(mask, float("-inf"))
-        m_new = torch.maximum(m, s.amax(dim=-1, keepdim=True))
-        p = torch.exp(s - m_new)
-        alpha = torch.exp(m - m_new)
-        l = l * alpha + tree_sum(p, dim=-1, keepdim=True)
-        acc = acc * alpha + torch.bmm(p, vb)
-        m = m_new
-    out_t = (acc / l).reshape(nt * row_tile, d)
-    keep = dest >= 0
-    out = out_t.new_zeros((n_total * hq, d)).index_copy(0, dest[keep], out_t[keep])
-    return out.reshape(n_total, hq, d).to(q.dtype)
+    kv_dtype = kv[0][0].dtype
+    if hq % hkv or kv_dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"attn.core: Hq={hq} must be a multiple of Hkv={hkv}, K/V bf16 or fp32 (got {kv_dtype})")
+    for (k, v), s, n in zip(kv, starts, lengths):
+        if k.shape != v.shape or k.shape[0] < s + n or k.shape[1:] != (hkv, d) or {k.dtype, v.dtype} != {kv_dtype}:
+            raise ValueError(f"attn.core: K {tuple(k.shape)} {k.dtype} and V {tuple(v.shape)} {v.dtype} of a sequence "
+                             f"with {s} cached and {n} new tokens; need both [>= {s + n}, {hkv}, {d}] {kv_dtype}")
+    flat = [t[: s + n] if _rows_ok(t) else t[: s + n].contiguous() for (k, v), s, n in zip(kv, starts, lengths)
+            for t in (k, v)]
+    qs = q.float() * (1.0 / math.sqrt(d))
+    return _Attention.apply(qs, (list(starts), list(lengths), kv_block), *flat).to(q.dtype)
 
 
-def _query_tiles(qf: torch.Tensor, starts: list[int], lengths: list[int], hkv: int, group: int, row_tile: int):
-    """The query tiles of :func:`iso_attention`, in (sequence, kv head, tile) order.
-
-    Row r of the (sequence b, kv head h) group is query ``r // group`` of b, head ``h * group + r % group``;
-    the group's rows are cut into tiles of ``row_tile``, the last one zero-padded (pad rows sit at
-    position 0 and are discarded).
-
-    Args:
-        qf: ``[N, Hq, D]`` fp32 scaled queries. starts, lengths: per sequence. hkv, group: KV heads and
-            query heads per KV head. row_tile: rows per tile.
-
-    Returns:
-        (Q ``[nt, T, D]``, positions ``[nt, T]`` int64, dest ``[nt * T]`` int64: each tile row's index in
-        ``qf.view(N * Hq, D)`` or -1 for a pad row, per tile its sequence ``[nt]`` and kv head ``[nt]``).
-    """
-    n_total, hq, d = qf.shape
-    n = torch.tensor(lengths, dtype=torch.long)
-    row0 = torch.cumsum(n, 0) - n
-    pair_seq = torch.arange(len(lengths)).repeat_interleave(hkv)  # (sequence, kv head) pairs, sequence-major
-    pair_head = torch.arange(hkv).repeat(len(lengths))
-    rows = n[pair_seq] * group
-    tiles = (rows + row_tile - 1) // row_tile
-    tile_pair = torch.arange(pair_seq.numel()).repeat_interleave(tiles)
-    tile_in_pair = torch.arange(tile_pair.numel()) - (torch.cumsum(tiles, 0) - tiles)[tile_pair]
-    r = tile_in_pair[:, None] * row_tile + torch.arange(row_tile)[None, :]  # [nt, T] row within its group
-    seq, head = pair_seq[tile_pair][:, None], pair_head[tile_pair][:, None]
-    valid = r < rows[tile_pair][:, None]
-    token = row0[seq] + r // group
-    dest = torch.where(valid, token * hq + head * group + r % group, -1)
-    flat = torch.cat([qf.reshape(n_total * hq, d), qf.new_zeros(1, d)])
-    Q = flat[torch.where(valid, dest, n_total * hq)]
-    P = torch.where(valid, torch.tensor(starts, dtype=torch.long)[seq] + r // group, 0)
-    return Q, P, dest.reshape(-1), pair_seq[tile_pair], pair_head[tile_pair]
+def _rows_ok(t: torch.Tensor) -> bool:
+    """Each row's ``[Hkv, D]`` block is contiguous (any stride between rows)."""
+    return t.stride(2) == 1 and t.stride(1) == t.shape[2]
 
 
-def _key_tiles(kv: list[tuple[torch.Tensor, torch.Tensor]], tile_seq: torch.Tensor, tile_head: torch.Tensor,
-               length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per query tile its sequence's keys and values of its kv head, fp32, zero-padded to ``length``
-    positions: (K ``[nt, length, D]``, V ``[nt, length, D]``)."""
-    sizes = torch.tensor([k.shape[0] for k, _ in kv], dtype=torch.long)
-    base = torch.cumsum(sizes, 0) - sizes
-    pos = torch.arange(length)
-    hkv, d = kv[0][0].shape[1:]
-    # row of (sequence, position, head) in the stacked caches, or the zero row past a sequence's end
-    src = torch.where(pos[None, :] < sizes[tile_seq][:, None], (base[tile_seq][:, None] + pos[None, :]) * hkv
-                      + tile_head[:, None], int(sizes.sum()) * hkv)
-    out = []
-    for which in (0, 1):
-        flat = torch.cat([t[which].reshape(-1, d) for t in kv]).float()
-        out.append(torch.cat([flat, flat.new_zeros(1, d)])[src])
-    return out[0], out[1]
+class _Attention(torch.autograd.Function):
+    """``attention.c``: forward bits, and the recomputation backward (dq, dK, dV in fp32)."""
+
+    @staticmethod
+    def forward(ctx, qs, layout, *flat):  # noqa: D102
+        starts, lengths, kv_block = layout
+        n, hq, d = qs.shape
+        qs = qs.contiguous()
+        o = torch.empty(n, hq, d, dtype=torch.float32)
+        m, l = torch.empty(n, hq, dtype=torch.float32), torch.empty(n, hq, dtype=torch.float32)
+        arrays, args = _layout_args(flat, starts, lengths)  # arrays: what args point into, alive until return
+        rc = _lib().isoexec_attention_fwd(_p(qs), *args, ctypes.c_int64(hq), ctypes.c_int64(flat[0].shape[1]),
+                                          ctypes.c_int64(d), ctypes.c_int64(kv_block), _p(o), _p(m), _p(l))
+        if rc != 0:
+            raise MemoryError("attention.c could not allocate its buffers")
+        ctx.save_for_backward(qs, o, m, l, *flat)
+        ctx.layout = layout
+        return o
+
+    @staticmethod
+    def backward(ctx, do):  # noqa: D102
+        qs, o, m, l, *flat = ctx.saved_tensors
+        starts, lengths, _ = ctx.layout
+        n, hq, d = qs.shape
+        do = do.float().contiguous()
+        dq = torch.empty_like(qs)
+        grads = [torch.empty(t.shape, dtype=torch.float32) for t in flat]
+        dk = torch.tensor([g.data_ptr() for g in grads[0::2]], dtype=torch.int64)
+        dv = torch.tensor([g.data_ptr() for g in grads[1::2]], dtype=torch.int64)
+        arrays, args = _layout_args(flat, starts, lengths)
+        rc = _lib().isoexec_attention_bwd(_p(qs), *args, ctypes.c_int64(hq),
+                                          ctypes.c_int64(flat[0].shape[1]), ctypes.c_int64(d), _p(o), _p(do), _p(m),
+                                          _p(l), _p(dq), _p(dk), _p(dv))
+        if rc != 0:
+            raise MemoryError("attention.c could not allocate its buffers")
+        return (dq, None, *(g.to(t.dtype) for g, t in zip(grads, flat)))
+
+
+def _p(t: torch.Tensor) -> ctypes.c_void_p:
+    return ctypes.c_void_p(t.data_ptr())
+
+
+def _layout_args(flat: list[torch.Tensor], starts: list[int], lengths: list[int]) -> tuple[list, list]:
+    """The kernel's sequence arguments (K and V pointers, K and V row strides, dtype flag, q row offsets,
+    starts, lengths, count), with the int64 tensors they point into (keep them until the call returns)."""
+    row0 = [0]
+    for n in lengths[:-1]:
+        row0.append(row0[-1] + n)
+    arrays = [torch.tensor(x, dtype=torch.int64) for x in (
+        [t.data_ptr() for t in flat[0::2]], [t.data_ptr() for t in flat[1::2]], [t.stride(0) for t in flat[0::2]],
+        [t.stride(0) for t in flat[1::2]], row0, starts, lengths)]
+    kp, vp, ks, vs, r0, st, ln = arrays
+    bf16 = ctypes.c_int(int(flat[0].dtype == torch.bfloat16))
+    return arrays, [_p(kp), _p(vp), _p(ks), _p(vs), bf16, _p(r0), _p(st), _p(ln), ctypes.c_int64(len(lengths))]
+
+
+def _lib() -> ctypes.CDLL:
+    return kernel_library(__file__, "attention.c")
 
 
 def iso_sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:

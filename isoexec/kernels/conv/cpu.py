@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from functools import cache
-from pathlib import Path
+import ctypes
 
 import torch
 
-from isoexec.kernels.autograd import with_ref_grad
+from isoexec.kernels.native_build import kernel_library
 from isoexec.kernels.primitives import silu
 
 
@@ -19,8 +18,8 @@ def iso_causal_conv1d(pieces: list[torch.Tensor], w: torch.Tensor, prefixes: lis
     in fp32 (the taps before the piece come from its prefix), whatever the case (prefill, chunked
     prefill, decode) and whatever the other pieces: the same per-element operations everywhere. All
     pieces run in one pass of the C kernel ``causal_conv1d.c`` over ``[prefix_0 | x_0 | prefix_1 | x_1 | ...]``
-    (only the rows that are outputs); the SiLU follows in torch. Under autograd the gradient is that of
-    the same tap sum as torch expressions.
+    (only the rows that are outputs); the SiLU follows in torch. Under autograd the tap sums' gradient
+    comes from the same C file (fp32, not bitwise).
 
     Args:
         pieces: per sequence piece its new inputs ``[L_b, C]`` (boundary dtype).
@@ -43,40 +42,40 @@ def iso_causal_conv1d(pieces: list[torch.Tensor], w: torch.Tensor, prefixes: lis
     # row of ext holding the first tap of output t of piece b: start_b + t
     first = torch.arange(int(lens.sum())) + torch.repeat_interleave(starts - (torch.cumsum(lens, 0) - lens), lens)
     wt = w.float().t().contiguous()  # [Kc, C]: tap j's weights contiguous
-    acc = with_ref_grad(lambda e, ww: _taps(e, ww, first), lambda e, ww: _taps_ref(e, ww, first), ext, wt)
-    ys = list(silu(acc).to(dtype).split(lens.tolist()))
+    ys = list(silu(_Taps.apply(ext, wt, first)).to(dtype).split(lens.tolist()))
     if kc == 1:
         return ys, list(prefixes)
     tail = ext[(ends[:, None] - (kc - 1)) + torch.arange(kc - 1)[None, :]].to(dtype)  # [B, Kc-1, C]
     return ys, list(tail.unbind(0))
 
 
-def _taps(ext: torch.Tensor, wt: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
-    """The tap sums of rows ``first`` in the C kernel ``causal_conv1d.c``: ``[len(first), C]`` fp32."""
-    import ctypes
+class _Taps(torch.autograd.Function):
+    """The tap sums of rows ``first`` of ``ext`` (``[R, C]`` fp32) with ``wt`` (``[Kc, C]`` fp32) in the C
+    kernel ``causal_conv1d.c``: ``[len(first), C]`` fp32; backward in the same file (fp32, not bitwise)."""
 
-    ext, wt, first = ext.detach().contiguous(), wt.detach().contiguous(), first.contiguous()
-    out = torch.empty(first.numel(), ext.shape[1], dtype=torch.float32)
-    ptr = lambda t: ctypes.c_void_p(t.data_ptr())  # noqa: E731
-    _lib().isoexec_causal_conv1d(
-        ptr(ext), ptr(wt), ptr(first), ptr(out), ctypes.c_int64(first.numel()), ctypes.c_int64(ext.shape[1]),
-        ctypes.c_int64(wt.shape[0]))
-    return out
+    @staticmethod
+    def forward(ctx, ext, wt, first):  # noqa: D102
+        ext, wt, first = ext.detach().contiguous(), wt.detach().contiguous(), first.contiguous()
+        ctx.save_for_backward(ext, wt, first)
+        out = torch.empty(first.numel(), ext.shape[1], dtype=torch.float32)
+        kernel_library(__file__, "causal_conv1d.c").isoexec_causal_conv1d(
+            _p(ext), _p(wt), _p(first), _p(out), _i(first.numel()), _i(ext.shape[1]), _i(wt.shape[0]))
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):  # noqa: D102
+        ext, wt, first = ctx.saved_tensors
+        dout = dout.float().contiguous()
+        dext, dwt = torch.empty_like(ext), torch.empty_like(wt)
+        kernel_library(__file__, "causal_conv1d.c").isoexec_causal_conv1d_bwd(
+            _p(ext), _p(wt), _p(first), _p(dout), _p(dext), _p(dwt), _i(ext.shape[0]), _i(first.numel()),
+            _i(ext.shape[1]), _i(wt.shape[0]))
+        return dext, dwt, None
 
 
-@cache
-def _lib():
-    """The compiled ``causal_conv1d.c``."""
-    from isoexec.kernels.native_build import load_c_kernel
-
-    return load_c_kernel(str(Path(__file__).with_name("causal_conv1d.c")))
+def _p(t: torch.Tensor) -> ctypes.c_void_p:
+    return ctypes.c_void_p(t.data_ptr())
 
 
-def _taps_ref(ext: torch.Tensor, wt: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
-    """The same tap sums as torch expressions over contiguous slices of ``ext`` (rows whose taps straddle
-    two pieces are computed and not read), then rows ``first``: the gradient's reference."""
-    rows = ext.shape[0] - (wt.shape[0] - 1)
-    acc = ext[:rows] * wt[0]
-    for j in range(1, wt.shape[0]):
-        acc = acc + ext[j : j + rows] * wt[j]
-    return acc[first]
+def _i(n: int) -> ctypes.c_int64:
+    return ctypes.c_int64(n)

@@ -31,10 +31,10 @@ The gating region (``gdn.gating``, :func:`iso_gating`) lives here too.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cache
 
 import torch
 
+from isoexec.kernels.native_build import kernel_library
 from isoexec.kernels.primitives import sigmoid, softplus
 
 
@@ -99,7 +99,7 @@ def _ut_inverse(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> tuple[t
     A = torch.where(lower, beta[:, :, None] * kk * torch.exp(torch.where(lower, diff, torch.zeros_like(diff))), 0.0)
     A = A.float().contiguous()
     T = torch.empty(M, C, C, dtype=torch.float32)
-    _lib("cpr_ut_inverse.c").isoexec_ut_inverse(ctypes.c_void_p(A.data_ptr()), ctypes.c_void_p(T.data_ptr()),
+    kernel_library(__file__, "cpr_ut_inverse.c").isoexec_ut_inverse(ctypes.c_void_p(A.data_ptr()), ctypes.c_void_p(T.data_ptr()),
                                                 ctypes.c_int64(M), ctypes.c_int64(C))
     return T, G
 
@@ -131,7 +131,7 @@ def _scan(starts: list[torch.Tensor], dsts: list[torch.Tensor], q, k, v, g, beta
     """
     import ctypes
 
-    lib = _lib("cpr_scan.c")
+    lib = kernel_library(__file__, "cpr_scan.c")
     N, H, Dk = k.shape
     Dv = v.shape[-1]
     q, k, v, beta = (x.float().contiguous() for x in (q, k, v, beta))
@@ -148,17 +148,6 @@ def _scan(starts: list[torch.Tensor], dsts: list[torch.Tensor], q, k, v, g, beta
                          ptr(meta[1]), ctypes.c_int64(len(segments)), ctypes.c_int64(H), ctypes.c_int64(Dk),
                          ctypes.c_int64(Dv), ptr(work))
     return o
-
-
-@cache
-def _lib(source: str):
-    """The compiled C kernel ``source`` of this folder (``cpr_scan.c``, ``cpr_ut_inverse.c``,
-    ``cpr_scan_backward.c``)."""
-    from pathlib import Path
-
-    from isoexec.kernels.native_build import load_c_kernel
-
-    return load_c_kernel(str(Path(__file__).with_name(source)))
 
 
 class CPRTrainerFunction(torch.autograd.Function):
@@ -202,7 +191,7 @@ class CPRTrainerFunction(torch.autograd.Function):
             raise RuntimeError("cpr_gdn's chunk entries must be contiguous fp32 [H, Dk, Dv] states")
         ent = torch.tensor([e.data_ptr() for e in entries], dtype=torch.int64)
         ptr = lambda t: ctypes.c_void_p(t.data_ptr())  # noqa: E731
-        rc = _lib("cpr_scan_backward.c").isoexec_gdn_backward(
+        rc = kernel_library(__file__, "cpr_scan_backward.c").isoexec_gdn_backward(
             ptr(qs), ptr(k), ptr(v), ptr(decay), ptr(beta), ptr(do), ptr(dq), ptr(dk), ptr(dv), ptr(dd), ptr(db),
             ptr(ent), ptr(r0), ptr(ln), ctypes.c_int64(len(ctx.lengths)), ctypes.c_int64(H), ctypes.c_int64(Dk),
             ctypes.c_int64(Dv), ctypes.c_int64(ctx.chunk_size))

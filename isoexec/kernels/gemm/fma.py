@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import ctypes
 from functools import cache
-from pathlib import Path
 
 import torch
+
+from isoexec.kernels.native_build import kernel_library
 
 K_ORDER = "ascending_fmaf_chain"
 """Contract value of the GEMM's summation: ``acc = fmaf(x[i, k], w[k, j], acc)`` for k ascending from 0 (per leaf, for
@@ -31,9 +32,7 @@ K_ORDER_BF16_PAIRS = "ascending_bf16_pairs_odd_first_fmaf_daz_ftz"
 
 @cache
 def _lib() -> ctypes.CDLL:
-    from isoexec.kernels.native_build import load_c_kernel
-
-    lib = load_c_kernel(str(Path(__file__).with_name("fma_gemm.c")))
+    lib = kernel_library(__file__, "fma_gemm.c")
     lib.isoexec_fma_panel_width.restype = ctypes.c_int64
     return lib
 
@@ -127,9 +126,7 @@ def fma_gemm(x: torch.Tensor, w: torch.Tensor, row_tile: int, col_tile: int | No
 
 @cache
 def _bf16_lib() -> ctypes.CDLL:
-    from isoexec.kernels.native_build import load_c_kernel
-
-    lib = load_c_kernel(str(Path(__file__).with_name("bf16_gemm.c")))
+    lib = kernel_library(__file__, "bf16_gemm.c")
     lib.isoexec_bf16_panel_width.restype = ctypes.c_int64
     return lib
 

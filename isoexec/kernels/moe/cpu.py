@@ -63,13 +63,43 @@ def iso_experts(x: torch.Tensor, ids: torch.Tensor, experts, row_tile: int, col_
             up ``[I, H]``, down ``[H, I]``).
 
     Returns:
-        ``[N, k, H]`` fp32 expert outputs per (token, routing rank).
+        ``[N, k, H]`` fp32 expert outputs per (token, rank), each rounded to ``x.dtype`` (as
+        :func:`iso_swiglu` returns it).
     """
-    y = x.new_zeros((x.shape[0], ids.shape[1], x.shape[1]), dtype=torch.float32)
-    for eid, (tok, rank) in routed_by_expert(ids).items():
-        wg, wu, wd = experts[eid]
-        y = y.index_put((tok, rank), iso_swiglu(x[tok], wg, wu, wd, row_tile, col_tile, leaves).float())
-    return y
+    part = routed_swiglu_partial(x, ids, dict(enumerate(experts)), 1, row_tile, col_tile, leaves)
+    return part.to(x.dtype).float()
+
+
+def routed_swiglu_partial(x: torch.Tensor, ids: torch.Tensor, experts: dict, tp: int, row_tile: int, col_tile: int,
+                          leaves: int) -> torch.Tensor:
+    """:func:`iso_swiglu_partial` of every (token, rank) pair routed to one of ``experts``, all experts at once.
+
+    The pairs are gathered expert-major (one gather); each expert's ``gate``/``up``/``down`` GEMMs run on
+    its contiguous rows, the SiLU product on all rows in one pass (row-wise GEMMs and elementwise ops: the
+    bits of one :func:`iso_swiglu_partial` call per expert).
+
+    Args:
+        x: ``[N, H]`` (boundary dtype). ids: ``[N, k]`` int64 expert ids. experts: expert id -> (gate
+            ``[I/tp, H]``, up ``[I/tp, H]``, down ``[H, I/tp]``), this rank's shards; pairs routed to other
+            experts stay 0. tp, row_tile, col_tile, leaves: as :func:`iso_swiglu_partial`.
+
+    Returns:
+        ``[N, k, H]`` fp32 pik subtree sums per (token, rank).
+    """
+    out = x.new_zeros((x.shape[0], ids.shape[1], x.shape[1]), dtype=torch.float32)
+    routed = routed_by_expert(ids, set(experts))
+    if not routed:
+        return out
+    eids = list(routed)
+    tok, rank = (torch.cat([routed[e][i] for e in eids]) for i in (0, 1))
+    sizes = [routed[e][0].numel() for e in eids]
+    xs = x[tok].split(sizes)
+    g = torch.cat([iso_linear(xe, experts[e][0], row_tile, col_tile) for xe, e in zip(xs, eids)])
+    u = torch.cat([iso_linear(xe, experts[e][1], row_tile, col_tile) for xe, e in zip(xs, eids)])
+    h = (silu(g.float()) * u.float()).to(x.dtype)
+    sub = torch.cat([pik_row_parallel_partial(he, experts[e][2], tp, leaves, row_tile)
+                     for he, e in zip(h.split(sizes), eids)])
+    return out.index_put((tok, rank), sub)
 
 
 def routed_by_expert(ids: torch.Tensor, experts=None) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:

@@ -132,16 +132,11 @@ class CpuShards:
     def experts_partial(self, x, ids, local_ids: list[int], weights, etp: int) -> torch.Tensor:
         """This rank's experts ``local_ids`` (shards ``weights`` = per expert (gate, up, down)) for the
         (token, slot) pairs routed to them: ``[N, k, H]`` fp32 subtree sums, zeros elsewhere."""
-        from isoexec.kernels.moe.cpu import iso_swiglu_partial, routed_by_expert
+        from isoexec.kernels.moe.cpu import routed_swiglu_partial
 
         c = self.kernels["moe.experts"].constants
-        part = x.new_zeros((x.shape[0], ids.shape[1], x.shape[1]), dtype=torch.float32)
-        local = dict(zip(local_ids, weights))
-        for eid, (tok, slot) in routed_by_expert(ids, set(local)).items():
-            wg, wu, wd = local[eid]
-            sub = iso_swiglu_partial(x[tok], wg, wu, wd, etp, c["row_tile"], c["col_tile"], c["leaves"])
-            part = part.index_put((tok, slot), sub)
-        return part
+        return routed_swiglu_partial(x, ids, dict(zip(local_ids, weights)), etp, c["row_tile"], c["col_tile"],
+                                     c["leaves"])
 
 
 class TritonShards(CpuShards):
