@@ -125,6 +125,23 @@ def test_causal_conv1d_bits_per_position_whatever_the_pieces_and_autograd():
     assert all(torch.equal(a.detach(), b) for a, b in zip(yg, yf)) and xg[0].grad is not None
 
 
+def test_causal_conv1d_decode_path_has_the_bits_of_the_general_path():
+    """Single-token pieces without autograd take the stacked decode path: the same outputs and prefixes
+    as the general path (taken under autograd)."""
+    from isoexec.kernels.conv.cpu import iso_causal_conv1d
+
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(24, 4, generator=g).to(torch.bfloat16)
+    xs = [torch.randn(1, 24, generator=g).to(torch.bfloat16) for _ in range(5)]
+    pre = [torch.randn(3, 24, generator=g).to(torch.bfloat16) for _ in xs]
+    with torch.no_grad():
+        ys, tails = iso_causal_conv1d(xs, w, pre)
+    with torch.enable_grad():
+        yg, tg = iso_causal_conv1d([x.clone().requires_grad_(True) for x in xs], w, pre)
+    assert all(torch.equal(a, b.detach()) for a, b in zip(ys, yg)) and all(torch.equal(a, b) for a, b in zip(tails, tg))
+    assert [tuple(y.shape) for y in ys] == [(1, 24)] * 5 and [tuple(t.shape) for t in tails] == [(3, 24)] * 5
+
+
 def test_causal_conv1d_gradient_matches_fp64_reference():
     """The C backward of the tap sums (inputs, prefixes and weights) against autograd of the fp64 tap sum."""
     from isoexec.kernels.conv.cpu import iso_causal_conv1d

@@ -34,6 +34,13 @@ def iso_causal_conv1d(pieces: list[torch.Tensor], w: torch.Tensor, prefixes: lis
     channels = pieces[0].shape[-1]
     if w.dim() != 2 or w.shape[0] != channels:
         raise ValueError(f"gdn.conv1d: the weight must be [channels, taps] = [{channels}, Kc], got {tuple(w.shape)}")
+    if (kc > 1 and all(x.shape[0] == 1 for x in pieces) and not torch.is_grad_enabled()
+            and all(p.shape == (kc - 1, channels) and p.dtype == dtype for p in prefixes)):
+        # decode: every piece one token; [prefix_b | x_b] as rows of one [B, Kc, C] tensor (the same tap sums)
+        ext = torch.cat([torch.stack(prefixes), torch.stack(pieces)], dim=1)
+        b = len(pieces)
+        acc = _tap_sums(ext.float().view(b * kc, channels), w.float().t(), torch.arange(b) * kc)
+        return list(silu(acc).to(dtype).split(1)), list(ext[:, 1:].unbind(0))
     parts = [t for x, p in zip(pieces, prefixes) for t in (p if p.dtype == dtype else p.to(dtype), x)]
     ext = torch.cat(parts, dim=0).float()  # [prefix_0 | x_0 | prefix_1 | x_1 | ...]
     lens = torch.tensor([x.shape[0] for x in pieces], dtype=torch.long)
@@ -57,10 +64,7 @@ class _Taps(torch.autograd.Function):
     def forward(ctx, ext, wt, first):  # noqa: D102
         ext, wt, first = ext.detach().contiguous(), wt.detach().contiguous(), first.contiguous()
         ctx.save_for_backward(ext, wt, first)
-        out = torch.empty(first.numel(), ext.shape[1], dtype=torch.float32)
-        kernel_library(__file__, "causal_conv1d.c").isoexec_causal_conv1d(
-            _p(ext), _p(wt), _p(first), _p(out), _i(first.numel()), _i(ext.shape[1]), _i(wt.shape[0]))
-        return out
+        return _tap_sums(ext, wt, first)
 
     @staticmethod
     def backward(ctx, dout):  # noqa: D102
@@ -71,6 +75,16 @@ class _Taps(torch.autograd.Function):
             _p(ext), _p(wt), _p(first), _p(dout), _p(dext), _p(dwt), _i(ext.shape[0]), _i(first.numel()),
             _i(ext.shape[1]), _i(wt.shape[0]))
         return dext, dwt, None
+
+
+def _tap_sums(ext: torch.Tensor, wt: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
+    """``causal_conv1d.c``'s tap sums of rows ``first`` of ``ext`` (``[R, C]`` fp32) with ``wt`` (``[Kc, C]``
+    fp32): ``[len(first), C]`` fp32."""
+    ext, wt, first = ext.contiguous(), wt.contiguous(), first.contiguous()
+    out = torch.empty(first.numel(), ext.shape[1], dtype=torch.float32)
+    kernel_library(__file__, "causal_conv1d.c").isoexec_causal_conv1d(
+        _p(ext), _p(wt), _p(first), _p(out), _i(first.numel()), _i(ext.shape[1]), _i(wt.shape[0]))
+    return out
 
 
 def _p(t: torch.Tensor) -> ctypes.c_void_p:
