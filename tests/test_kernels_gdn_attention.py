@@ -223,6 +223,17 @@ def test_attention_refuses_a_cache_shorter_than_its_positions():
         iso_attention(q, [(k, k)], [2], [3], 64)
 
 
+def test_attention_refuses_negative_lengths_or_starts_and_a_kv_block_below_one():
+    """Before these checks a negative length read and wrote outside q and o, and kv_block 0 never returned."""
+    k = torch.randn(3, 1, 4)
+    with pytest.raises(ValueError, match=r"length -1"):
+        iso_attention(torch.randn(1, 2, 4), [(k, k), (k, k)], [0, 0], [-1, 2], 16)
+    with pytest.raises(ValueError, match=r"start -1"):
+        iso_attention(torch.randn(1, 2, 4), [(k, k)], [-1], [1], 16)
+    with pytest.raises(ValueError, match=r"kv_block must be >= 1, got 0"):
+        iso_attention(torch.randn(1, 2, 4), [(k, k)], [0], [1], 0)
+
+
 def test_cpr_state_refuses_to_continue_under_another_chunk_size():
     x = _inputs(12)
     _, (st,) = cpr_gdn(*x, [12], [None], C)

@@ -59,6 +59,17 @@ def test_tree_sum_c_kernel_keeps_the_torch_nan_bits_and_ignores_the_default_dtyp
         torch.set_default_dtype(old)
 
 
+def test_causal_conv1d_refuses_prefixes_of_another_shape_or_count():
+    """Before these checks the C kernel read past a short prefix."""
+    from isoexec.kernels.conv.cpu import iso_causal_conv1d
+
+    w = torch.randn(8, 4)
+    with pytest.raises(ValueError, match=r"prefix 0 has shape \(1, 8\), need \(3, 8\)"):
+        iso_causal_conv1d([torch.randn(5, 8)], w, [torch.randn(1, 8)])
+    with pytest.raises(ValueError, match=r"2 pieces but 1 prefixes"):
+        iso_causal_conv1d([torch.randn(1, 8)] * 2, w, [torch.randn(3, 8)])
+
+
 def test_causal_conv1d_refuses_a_weight_of_other_channels():
     from isoexec.kernels.conv.cpu import iso_causal_conv1d
 

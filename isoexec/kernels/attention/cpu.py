@@ -49,19 +49,26 @@ def iso_attention(
         ``[N, Hq, D]`` in ``q.dtype``; scale ``1/sqrt(D)``. Differentiable (q, K and V).
 
     Raises:
-        ValueError: lengths not summing to N or per-sequence lists of different lengths, a sequence with
-            fewer than ``start_b + n_b`` keys, mixed K/V dtypes or shapes, or Hq not a multiple of Hkv.
+        ValueError: lengths not summing to N or per-sequence lists of different lengths, a negative start
+            or length, ``kv_block`` < 1, a sequence with fewer than ``start_b + n_b`` keys, K/V neither bf16
+            nor fp32, mixed K/V dtypes or shapes, D or Hkv < 1, or Hq not a multiple of Hkv.
     """
     n_total, hq, d = q.shape
     if sum(lengths) != n_total or len(kv) != len(lengths) or len(starts) != len(lengths):
         raise ValueError(f"attn.core: {n_total} query rows, lengths summing to {sum(lengths)}, "
                          f"{len(kv)} K/V pairs, {len(starts)} starts, {len(lengths)} lengths")
+    bad = [(s, n) for s, n in zip(starts, lengths) if s < 0 or n < 0]
+    if bad or kv_block < 1:
+        raise ValueError(f"attn.core: starts and lengths must be >= 0 (got start {bad[0][0]}, length {bad[0][1]})"
+                         if bad else f"attn.core: kv_block must be >= 1, got {kv_block}")
     if n_total == 0:
         return q.new_zeros(q.shape)
     hkv = kv[0][0].shape[1]
     kv_dtype = kv[0][0].dtype
-    if hq % hkv or kv_dtype not in (torch.bfloat16, torch.float32):
-        raise ValueError(f"attn.core: Hq={hq} must be a multiple of Hkv={hkv}, K/V bf16 or fp32 (got {kv_dtype})")
+    if d < 1 or hkv < 1 or hq % hkv:
+        raise ValueError(f"attn.core: need D >= 1 and Hq a multiple of Hkv >= 1, got D={d}, Hq={hq}, Hkv={hkv}")
+    if kv_dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"attn.core: K/V must be bf16 or fp32, got {kv_dtype}")
     for (k, v), s, n in zip(kv, starts, lengths):
         if k.shape != v.shape or k.shape[0] < s + n or k.shape[1:] != (hkv, d) or {k.dtype, v.dtype} != {kv_dtype}:
             raise ValueError(f"attn.core: K {tuple(k.shape)} {k.dtype} and V {tuple(v.shape)} {v.dtype} of a sequence "

@@ -28,14 +28,22 @@ def iso_causal_conv1d(pieces: list[torch.Tensor], w: torch.Tensor, prefixes: lis
 
     Returns:
         (per piece ``[L_b, C]`` in the inputs' dtype, per piece its new prefix ``[Kc-1, C]``).
+
+    Raises:
+        ValueError: a weight that is not ``[C, Kc]``, or not one ``[Kc-1, C]`` prefix per piece.
     """
-    kc = w.shape[1]
     dtype = pieces[0].dtype
     channels = pieces[0].shape[-1]
+    kc = w.shape[1] if w.dim() == 2 else 0
     if w.dim() != 2 or w.shape[0] != channels:
         raise ValueError(f"gdn.conv1d: the weight must be [channels, taps] = [{channels}, Kc], got {tuple(w.shape)}")
+    if len(prefixes) != len(pieces):
+        raise ValueError(f"gdn.conv1d: {len(pieces)} pieces but {len(prefixes)} prefixes (one per piece)")
+    for b, p in enumerate(prefixes):
+        if tuple(p.shape) != (kc - 1, channels):
+            raise ValueError(f"gdn.conv1d: prefix {b} has shape {tuple(p.shape)}, need ({kc - 1}, {channels}) (Kc-1 rows)")
     if (kc > 1 and all(x.shape[0] == 1 for x in pieces) and not torch.is_grad_enabled()
-            and all(p.shape == (kc - 1, channels) and p.dtype == dtype for p in prefixes)):
+            and all(p.dtype == dtype for p in prefixes)):
         # decode: every piece one token; [prefix_b | x_b] as rows of one [B, Kc, C] tensor (the same tap sums)
         ext = torch.cat([torch.stack(prefixes), torch.stack(pieces)], dim=1)
         b = len(pieces)

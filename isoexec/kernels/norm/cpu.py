@@ -33,8 +33,11 @@ def _c_norm(fn: str, x: torch.Tensor, eps: float, *extra, tensors=()) -> torch.T
         ValueError: an empty last dimension or a tensor not on the CPU.
     """
     d = x.shape[-1]
-    if d == 0 or any(t.device.type != "cpu" for t in (x, *tensors)):
-        raise ValueError(f"{fn}: needs CPU tensors with a non-empty last dimension, got {tuple(x.shape)} on {x.device}")
+    if d == 0:
+        raise ValueError(f"{fn}: needs a non-empty last dimension, got x of shape {tuple(x.shape)}")
+    off = [t.device for t in (x, *tensors) if t.device.type != "cpu"]
+    if off:
+        raise ValueError(f"{fn}: runs on CPU tensors, got one on {off[0]}")
     p = 1
     while p < d:
         p *= 2
