@@ -85,3 +85,8 @@ def kernel_library(anchor: str, relative: str) -> ctypes.CDLL:
     """The C kernel ``relative`` to the folder of the file ``anchor`` (a kernel module's ``__file__``),
     built and loaded by :func:`load_c_kernel`; looked up once per (anchor, relative)."""
     return load_c_kernel(str(Path(anchor).parent / relative))
+
+
+def c_ptr(t) -> ctypes.c_void_p:
+    """A tensor's data pointer as a ``ctypes`` argument (the caller keeps ``t`` alive during the call)."""
+    return ctypes.c_void_p(t.data_ptr())

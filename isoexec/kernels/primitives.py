@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from isoexec.kernels.gemm.fma import bf16_pair_gemm, fma_gemm, pin_panels
-from isoexec.kernels.native_build import kernel_library
+from isoexec.kernels.native_build import c_ptr, kernel_library
 
 
 def _c_gemm(x, w, row_tile, col_tile, leaves):
@@ -140,6 +140,14 @@ def tile_linear(x: torch.Tensor, w: torch.Tensor, row_tile: int, col_tile: int |
     return tile_mm(x.float(), _kxm(w, torch.float32), row_tile, col_tile, torch.float32, leaves)
 
 
+def pow2_at_least(n: int) -> int:
+    """The smallest power of two >= ``n`` (1 for ``n <= 1``): the padded length of :func:`tree_sum`'s tree."""
+    p = 1
+    while p < n:
+        p *= 2
+    return p
+
+
 def tree_sum(x: torch.Tensor, dim: int = -1, keepdim: bool = False) -> torch.Tensor:
     """Sum along ``dim`` in a fixed binary tree: zero-pad to a power of two, then add halves.
 
@@ -151,9 +159,7 @@ def tree_sum(x: torch.Tensor, dim: int = -1, keepdim: bool = False) -> torch.Ten
     """
     dim = dim % x.dim()
     n = x.shape[dim]
-    p = 1
-    while p < n:
-        p *= 2
+    p = pow2_at_least(n)
     if (dim == x.dim() - 1 and x.dtype == torch.float32 and x.device.type == "cpu" and n > 0
             and not (torch.is_grad_enabled() and x.requires_grad)):
         out = _c_tree_sum(x, p, keepdim)
@@ -179,9 +185,8 @@ def _c_tree_sum(x: torch.Tensor, p: int, keepdim: bool) -> torch.Tensor:
     xc = x.contiguous()
     out = torch.empty(x.shape[:-1] + ((1,) if keepdim else ()), dtype=torch.float32)
     work = torch.empty(p, dtype=torch.float32)
-    ptr = lambda t: ctypes.c_void_p(t.data_ptr())  # noqa: E731
     kernel_library(__file__, "reduce/tree_sum.c").isoexec_tree_sum(
-        ptr(xc), ptr(out), ctypes.c_int64(xc.numel() // n), ctypes.c_int64(n), ctypes.c_int64(p), ptr(work))
+        c_ptr(xc), c_ptr(out), ctypes.c_int64(xc.numel() // n), ctypes.c_int64(n), ctypes.c_int64(p), c_ptr(work))
     return out
 
 

@@ -24,7 +24,7 @@ import math
 
 import torch
 
-from isoexec.kernels.native_build import kernel_library
+from isoexec.kernels.native_build import c_ptr, kernel_library
 from isoexec.kernels.primitives import sigmoid
 
 
@@ -95,8 +95,8 @@ class _Attention(torch.autograd.Function):
         o = torch.empty(n, hq, d, dtype=torch.float32)
         m, l = torch.empty(n, hq, dtype=torch.float32), torch.empty(n, hq, dtype=torch.float32)
         arrays, args = _layout_args(flat, starts, lengths)  # arrays: what args point into, alive until return
-        rc = _lib().isoexec_attention_fwd(_p(qs), *args, ctypes.c_int64(hq), ctypes.c_int64(flat[0].shape[1]),
-                                          ctypes.c_int64(d), ctypes.c_int64(kv_block), _p(o), _p(m), _p(l))
+        rc = _lib().isoexec_attention_fwd(c_ptr(qs), *args, ctypes.c_int64(hq), ctypes.c_int64(flat[0].shape[1]),
+                                          ctypes.c_int64(d), ctypes.c_int64(kv_block), c_ptr(o), c_ptr(m), c_ptr(l))
         if rc != 0:
             raise MemoryError("attention.c could not allocate its buffers")
         ctx.save_for_backward(qs, o, m, l, *flat)
@@ -114,16 +114,12 @@ class _Attention(torch.autograd.Function):
         dk = torch.tensor([g.data_ptr() for g in grads[0::2]], dtype=torch.int64)
         dv = torch.tensor([g.data_ptr() for g in grads[1::2]], dtype=torch.int64)
         arrays, args = _layout_args(flat, starts, lengths)
-        rc = _lib().isoexec_attention_bwd(_p(qs), *args, ctypes.c_int64(hq),
-                                          ctypes.c_int64(flat[0].shape[1]), ctypes.c_int64(d), _p(o), _p(do), _p(m),
-                                          _p(l), _p(dq), _p(dk), _p(dv))
+        rc = _lib().isoexec_attention_bwd(c_ptr(qs), *args, ctypes.c_int64(hq), ctypes.c_int64(flat[0].shape[1]),
+                                          ctypes.c_int64(d), c_ptr(o), c_ptr(do), c_ptr(m),
+                                          c_ptr(l), c_ptr(dq), c_ptr(dk), c_ptr(dv))
         if rc != 0:
             raise MemoryError("attention.c could not allocate its buffers")
         return (dq, None, *(g.to(t.dtype) for g, t in zip(grads, flat)))
-
-
-def _p(t: torch.Tensor) -> ctypes.c_void_p:
-    return ctypes.c_void_p(t.data_ptr())
 
 
 def _layout_args(flat: list[torch.Tensor], starts: list[int], lengths: list[int]) -> tuple[list, list]:
@@ -137,7 +133,7 @@ def _layout_args(flat: list[torch.Tensor], starts: list[int], lengths: list[int]
         [t.stride(0) for t in flat[1::2]], row0, starts, lengths)]
     kp, vp, ks, vs, r0, st, ln = arrays
     bf16 = ctypes.c_int(int(flat[0].dtype == torch.bfloat16))
-    return arrays, [_p(kp), _p(vp), _p(ks), _p(vs), bf16, _p(r0), _p(st), _p(ln), ctypes.c_int64(len(lengths))]
+    return arrays, [*map(c_ptr, (kp, vp, ks, vs)), bf16, *map(c_ptr, (r0, st, ln)), ctypes.c_int64(len(lengths))]
 
 
 def _lib() -> ctypes.CDLL:

@@ -6,7 +6,7 @@ import ctypes
 
 import torch
 
-from isoexec.kernels.native_build import kernel_library
+from isoexec.kernels.native_build import c_ptr, kernel_library
 from isoexec.kernels.primitives import silu
 
 
@@ -70,7 +70,7 @@ class _Taps(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, ext, wt, first):  # noqa: D102
-        ext, wt, first = ext.detach().contiguous(), wt.detach().contiguous(), first.contiguous()
+        ext, wt, first = ext.contiguous(), wt.contiguous(), first.contiguous()
         ctx.save_for_backward(ext, wt, first)
         return _tap_sums(ext, wt, first)
 
@@ -80,7 +80,7 @@ class _Taps(torch.autograd.Function):
         dout = dout.float().contiguous()
         dext, dwt = torch.empty_like(ext), torch.empty_like(wt)
         kernel_library(__file__, "causal_conv1d.c").isoexec_causal_conv1d_bwd(
-            _p(ext), _p(wt), _p(first), _p(dout), _p(dext), _p(dwt), _i(ext.shape[0]), _i(first.numel()),
+            c_ptr(ext), c_ptr(wt), c_ptr(first), c_ptr(dout), c_ptr(dext), c_ptr(dwt), _i(ext.shape[0]), _i(first.numel()),
             _i(ext.shape[1]), _i(wt.shape[0]))
         return dext, dwt, None
 
@@ -91,12 +91,8 @@ def _tap_sums(ext: torch.Tensor, wt: torch.Tensor, first: torch.Tensor) -> torch
     ext, wt, first = ext.contiguous(), wt.contiguous(), first.contiguous()
     out = torch.empty(first.numel(), ext.shape[1], dtype=torch.float32)
     kernel_library(__file__, "causal_conv1d.c").isoexec_causal_conv1d(
-        _p(ext), _p(wt), _p(first), _p(out), _i(first.numel()), _i(ext.shape[1]), _i(wt.shape[0]))
+        c_ptr(ext), c_ptr(wt), c_ptr(first), c_ptr(out), _i(first.numel()), _i(ext.shape[1]), _i(wt.shape[0]))
     return out
-
-
-def _p(t: torch.Tensor) -> ctypes.c_void_p:
-    return ctypes.c_void_p(t.data_ptr())
 
 
 def _i(n: int) -> ctypes.c_int64:

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from isoexec.kernels.native_build import kernel_library
+from isoexec.kernels.native_build import c_ptr, kernel_library
 from isoexec.kernels.primitives import sigmoid, softplus
 
 
@@ -99,8 +99,8 @@ def _ut_inverse(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> tuple[t
     A = torch.where(lower, beta[:, :, None] * kk * torch.exp(torch.where(lower, diff, torch.zeros_like(diff))), 0.0)
     A = A.float().contiguous()
     T = torch.empty(M, C, C, dtype=torch.float32)
-    kernel_library(__file__, "cpr_ut_inverse.c").isoexec_ut_inverse(ctypes.c_void_p(A.data_ptr()), ctypes.c_void_p(T.data_ptr()),
-                                                ctypes.c_int64(M), ctypes.c_int64(C))
+    kernel_library(__file__, "cpr_ut_inverse.c").isoexec_ut_inverse(c_ptr(A), c_ptr(T), ctypes.c_int64(M),
+                                                                    ctypes.c_int64(C))
     return T, G
 
 
@@ -143,10 +143,8 @@ def _scan(starts: list[torch.Tensor], dsts: list[torch.Tensor], q, k, v, g, beta
     src = torch.tensor([t.data_ptr() for t in starts], dtype=torch.int64)
     dst = torch.tensor([t.data_ptr() for t in dsts], dtype=torch.int64)
     work = torch.empty(Dv, dtype=torch.float32)
-    ptr = lambda t: ctypes.c_void_p(t.data_ptr())  # noqa: E731
-    lib.isoexec_cpr_scan(ptr(dst), ptr(src), ptr(q), ptr(k), ptr(v), ptr(decay), ptr(beta), ptr(o), ptr(meta[0]),
-                         ptr(meta[1]), ctypes.c_int64(len(segments)), ctypes.c_int64(H), ctypes.c_int64(Dk),
-                         ctypes.c_int64(Dv), ptr(work))
+    lib.isoexec_cpr_scan(*map(c_ptr, (dst, src, q, k, v, decay, beta, o, meta[0], meta[1])),
+                         *map(ctypes.c_int64, (len(segments), H, Dk, Dv)), c_ptr(work))
     return o
 
 
@@ -190,11 +188,9 @@ class CPRTrainerFunction(torch.autograd.Function):
         if not all(e.is_contiguous() and e.dtype == torch.float32 for e in entries):
             raise RuntimeError("cpr_gdn's chunk entries must be contiguous fp32 [H, Dk, Dv] states")
         ent = torch.tensor([e.data_ptr() for e in entries], dtype=torch.int64)
-        ptr = lambda t: ctypes.c_void_p(t.data_ptr())  # noqa: E731
         rc = kernel_library(__file__, "cpr_scan_backward.c").isoexec_gdn_backward(
-            ptr(qs), ptr(k), ptr(v), ptr(decay), ptr(beta), ptr(do), ptr(dq), ptr(dk), ptr(dv), ptr(dd), ptr(db),
-            ptr(ent), ptr(r0), ptr(ln), ctypes.c_int64(len(ctx.lengths)), ctypes.c_int64(H), ctypes.c_int64(Dk),
-            ctypes.c_int64(Dv), ctypes.c_int64(ctx.chunk_size))
+            *map(c_ptr, (qs, k, v, decay, beta, do, dq, dk, dv, dd, db, ent, r0, ln)),
+            *map(ctypes.c_int64, (len(ctx.lengths), H, Dk, Dv, ctx.chunk_size)))
         if rc == -2:
             raise ValueError(f"the CPU GDN backward needs Dv divisible by 16, got Dv={Dv}")
         if rc != 0:

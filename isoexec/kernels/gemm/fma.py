@@ -19,7 +19,7 @@ from functools import cache
 
 import torch
 
-from isoexec.kernels.native_build import kernel_library
+from isoexec.kernels.native_build import c_ptr, kernel_library
 
 K_ORDER = "ascending_fmaf_chain"
 """Contract value of the GEMM's summation: ``acc = fmaf(x[i, k], w[k, j], acc)`` for k ascending from 0 (per leaf, for
@@ -115,10 +115,9 @@ def fma_gemm(x: torch.Tensor, w: torch.Tensor, row_tile: int, col_tile: int | No
     x = x if x.stride(1) == 1 or k <= 1 else x.contiguous()
     y = torch.empty((n, m), dtype=torch.float32)
     if n and m:
-        p = lambda t: ctypes.c_void_p(t.data_ptr())  # noqa: E731
         i = ctypes.c_int64
-        panels = _panels(w)  # held here: the kernel reads it after p() has returned
-        if _lib().isoexec_fma_gemm(p(x), p(panels), p(y), i(n), i(k), i(m), i(x.stride(0)), i(m),
+        panels = _panels(w)  # held here: the kernel reads it after c_ptr() has returned
+        if _lib().isoexec_fma_gemm(c_ptr(x), c_ptr(panels), c_ptr(y), i(n), i(k), i(m), i(x.stride(0)), i(m),
                                    i(row_tile), i(col_tile), i(leaves)):
             raise MemoryError(f"fma_gemm: no memory for the scratch of {leaves} leaves")
     return y
@@ -180,10 +179,9 @@ def bf16_pair_gemm(x: torch.Tensor, w: torch.Tensor, row_tile: int, col_tile: in
         x = x.contiguous()
     y = torch.empty((n, m), dtype=torch.float32)
     if n and m:
-        p = lambda t: ctypes.c_void_p(t.data_ptr())  # noqa: E731
         i = ctypes.c_int64
         panels = _panels(w)  # held here while the kernel runs
-        if _bf16_lib().isoexec_bf16_gemm(p(x), p(panels), p(y), i(n), i(kp), i(m), i(x.stride(0)), i(m), i(row_tile),
-                                         i(col_tile), i(leaves), ctypes.c_int(int(simd))):
+        if _bf16_lib().isoexec_bf16_gemm(c_ptr(x), c_ptr(panels), c_ptr(y), i(n), i(kp), i(m), i(x.stride(0)), i(m),
+                                         i(row_tile), i(col_tile), i(leaves), ctypes.c_int(int(simd))):
             raise MemoryError("bf16_pair_gemm: no memory for the kernel's scratch")
     return y

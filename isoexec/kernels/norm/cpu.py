@@ -18,8 +18,8 @@ import ctypes
 import torch
 
 from isoexec.kernels.autograd import with_ref_grad
-from isoexec.kernels.native_build import kernel_library
-from isoexec.kernels.primitives import rsqrt, silu, tree_sum
+from isoexec.kernels.native_build import c_ptr, kernel_library
+from isoexec.kernels.primitives import pow2_at_least, rsqrt, silu, tree_sum
 
 SQRT = "libm_sqrtf_ieee"
 """Contract value of the norms' square root (``norms.c``'s ``1.0f / sqrtf(v)``, correctly rounded)."""
@@ -38,18 +38,15 @@ def _c_norm(fn: str, x: torch.Tensor, eps: float, *extra, tensors=()) -> torch.T
     off = [t.device for t in (x, *tensors) if t.device.type != "cpu"]
     if off:
         raise ValueError(f"{fn}: runs on CPU tensors, got one on {off[0]}")
-    p = 1
-    while p < d:
-        p *= 2
+    p = pow2_at_least(d)
     xf = x.detach().float().contiguous()
     ts = [t.detach().float().contiguous() for t in tensors]
     out = torch.empty_like(xf)
     work = torch.empty(p, dtype=torch.float32)
-    ptr = lambda t: ctypes.c_void_p(t.data_ptr())  # noqa: E731
     ints = [ctypes.c_int(int(e)) for e in extra]
     getattr(kernel_library(__file__, "norms.c"), fn)(
-        ptr(xf), *map(ptr, ts), ptr(out), ctypes.c_int64(xf.numel() // d), ctypes.c_int64(d), ctypes.c_int64(p),
-        ctypes.c_float(eps), *ints, ptr(work))
+        c_ptr(xf), *map(c_ptr, ts), c_ptr(out), ctypes.c_int64(xf.numel() // d), ctypes.c_int64(d), ctypes.c_int64(p),
+        ctypes.c_float(eps), *ints, c_ptr(work))
     return out
 
 

@@ -1,5 +1,5 @@
-/* RMSNorm, gated RMSNorm and l2norm rows on CPU (regions norm.rms, gdn.norm, gdn.l2norm) without
- * autograd: the operations of the torch expressions in isoexec/kernels/norm/cpu.py, in one call.
+/* RMSNorm, gated RMSNorm and l2norm rows on CPU (regions norm.rms, gdn.norm, gdn.l2norm): the forward of
+ * every case, with or without autograd (isoexec/kernels/norm/cpu.py), in one call.
  *
  * Per row x of D fp32 values (the caller converts the boundary dtype to fp32, exactly):
  *     ss  = tree sum of x_i * x_i       zero-padded to p = 2^ceil(log2 D), halves added (reduce/tree_sum.c)
