@@ -213,6 +213,10 @@ def test_norm_c_kernels_give_one_forward_in_every_case_and_the_reference_gradien
             out = fn(xg)
             out.float().sum().backward()
         assert torch.equal(out.detach(), fast), name  # trainer_fwd's forward == engine's
+        if dtype == torch.float32:  # negative control: the torch expression (torch.sqrt) gives other bits
+            refs = {"rms": lambda: norm._rms_ref(x, w, 1e-6, True), "rms_w": lambda: norm._rms_ref(x, w, 1e-6, False),
+                    "gated": lambda: norm._gated_ref(x, z, w, 1e-6), "l2": lambda: norm._l2_ref(x, 1e-6)}
+            assert not torch.equal(refs[name](), fast), name
         ref = ref64(name, x)
         assert ((fast.double() - ref).abs() <= tol * ref.abs().clamp(min=1e-30) + 1e-30).all(), name
         if d == 1:
