@@ -93,7 +93,8 @@ def _rules() -> tuple[tuple[str, Callable[[Any], bool], str], ...]:
 def sampling_violations(params: Any) -> list[tuple[str, Any, str]]:
     """``(setting, value, allowed)`` for every setting of ``params`` (a ``vllm.SamplingParams``)
     that isoexec mode does not allow; empty when the request is covered."""
-    return [(k, getattr(params, k), allowed) for k, ok, allowed in _rules() if not ok(getattr(params, k))]
+    # a field this vLLM version does not have (0.26: trace_decode_token_ids, ...) cannot reshape anything
+    return [(k, getattr(params, k), allowed) for k, ok, allowed in _rules() if hasattr(params, k) and not ok(getattr(params, k))]
 
 
 def check_sampling_params(params: Any) -> None:

@@ -10,6 +10,7 @@
 #                                                      # outputs go to /tmp/job/out (the job sees it as $JOB_OUT)
 #   bash workflow/scripts/gpu_node.sh wait SECONDS     # wait for the job up to SECONDS, then pack /tmp/job/out
 #                                                      # into $OUT/results.tar.gz and the log into $OUT/job.log
+#   bash workflow/scripts/gpu_node.sh stop             # end a running job (its whole process session)
 #   bash workflow/scripts/gpu_node.sh run CMD...       # CMD in the foreground, same environment
 #
 # The parts come from workflow/scripts/gpu_site.sh (on a machine with network); each travels in one device
@@ -54,6 +55,12 @@ case "$cmd" in
     [ -f "$JOB/rc" ] && echo "gpu_node: job ended, exit $(cat $JOB/rc)" || echo "gpu_node: job still running"
     mkdir -p "${OUT:?}"; tar -czf "$OUT/results.tar.gz" -C "$JOB" out; cp "$JOB/log" "$OUT/job.log"
     tail -n 40 "$JOB/log"
+    ;;
+  stop)
+    # the job runs in a session of its own (setsid): its leader is the shell that writes $JOB/rc
+    sids=$(ps -eo sid=,args= | awk -v rc="$JOB/rc" 'index($0, rc) && !/awk/ {print $1}' | sort -u)
+    for s in $sids; do pkill -9 -s "$s"; done
+    sleep 2; echo "gpu_node: stopped sessions: ${sids:-none}"
     ;;
   run)
     stack_env; "$@"
