@@ -1,6 +1,10 @@
 """One RL step on one GPU, isoexec vs native kernel sets on the same harness: generation through the
 unified model's engine path, scoring, and the policy update (forward + backward + optimizer).
 
+"native" here is the unified model's own Python loops with stock kernels (SDPA, fla, cuBLAS), not vLLM:
+its generation ratio says how the Triton set compares with stock kernels in this loop, not how IsoExec
+compares with a production engine. ``isoexec.bench.vllm_gpu`` measures generation against vLLM's own engine.
+
 ``python -m isoexec.bench.rl_step --config experiments/h200-rlstep.yaml --out results/h200/rl_step.csv``
 
 The step (DESIGN §4 timing names): ``time/generation`` — ``P`` prompts, each sampled ``G`` times
