@@ -198,8 +198,9 @@ def gen_cost(plan: Plan, engines: dict[str, Worker], shapes: list[tuple[int, int
     return rows
 
 
-def check_runs(plan: Plan, engines: dict[str, Worker], group: int) -> dict[str, Any]:
-    """The check engine's mixed batch (chunked prefill beside decodes, preemption) and a few full-row requests."""
+def check_runs(plan: Plan, engines: dict[str, Worker], max_len: int) -> dict[str, Any]:
+    """The check engine's mixed batch (chunked prefill beside decodes, preemption) and a few full-row
+    requests (prompts that fit the timed engines' ``max_len``)."""
     vocab, out = plan.vocab, {}
     from isoexec.engines.rollout_check import make_prompts
 
@@ -214,8 +215,8 @@ def check_runs(plan: Plan, engines: dict[str, Worker], group: int) -> dict[str, 
             plan.note(stage="check", **out["check"])
         except WorkerError as e:
             plan.note(stage="check_failed", error=str(e)[-4000:])
-    full_prompts = prompts_for(vocab, 8 if vocab <= 65536 else 2, 100, seed=11)
     full_new = 64 if vocab <= 65536 else 32
+    full_prompts = prompts_for(vocab, 8 if vocab <= 65536 else 2, min(100, max_len - full_new), seed=11)
     for name in MODES:
         if name not in engines:
             continue
@@ -298,7 +299,7 @@ def run(config: str, out: str, work: str, shapes: list[str], group: int, deadlin
             except WorkerError as e:
                 plan.note(stage="warmup_failed", engine=name, error=str(e)[-4000:])
         gen_cost(plan, engines, parsed, group, reserve_s=150)
-        checks = check_runs(plan, engines, group)
+        checks = check_runs(plan, engines, max_len)
         profile(plan, engines, parsed[0], group)
     finally:
         for w in engines.values():
