@@ -152,3 +152,23 @@ def test_cp_gradients_match_cp1_fp32(runs, case):
             worst = max(worst, err)
             assert err < 1e-4, (case, n, err)
     print(f"{case}: worst per-parameter |grad - grad_cp1| / |grad_cp1| = {worst:.2e}")
+
+
+def test_contract_claims_the_proven_cp_domain_and_trainer_refuses_layouts_outside_it(unified):  # noqa: F811
+    from isoexec.contract import ClaimViolation
+    from isoexec.model.unified import build_contract
+    from isoexec.trainer.megatron.trainer import MegatronTrainer, check_layout
+
+    contract = build_contract(tiny_config(), unified[0].kernels, torch.bfloat16)
+    assert contract.claims.topology["cp"].domain == (1, 2, 4)
+    for ok in (CP2, CP4, TP2_CP2, TP2_CP4):
+        check_layout(contract, ok)
+    for bad, what in [(Layout(cp=8), "cp=8 is outside the claimed domain"),
+                      (Layout(cp=3), "cp=3 is outside the claimed domain \\[1, 2, 4\\]"),
+                      (Layout(tp=4, sp=True, cp=2), "tp=4 with cp=2 is outside the degrees proven together with "
+                                                    "context parallelism: tp in \\[1, 2\\]"),
+                      (Layout(ep=2, cp=2), "ep=2 with cp=2 .*ep in \\[1\\]")]:
+        with pytest.raises(ClaimViolation, match=what):
+            check_layout(contract, bad)
+    with pytest.raises(ClaimViolation, match="cp=8"):  # refused before any process group is needed
+        MegatronTrainer(tiny_config(), Layout(cp=8), "isoexec", KERNELS)

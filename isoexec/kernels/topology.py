@@ -30,13 +30,13 @@ def topology_problems(mode: str, device: str, degrees: dict[str, int]) -> list[s
     dimension against :func:`proven_topology` (the contract's topology claim), then, under ``cp > 1``,
     the other dimensions against the degrees proven together with context parallelism."""
     domain = proven_topology(mode, device)
-    bad = [f"{dim}={d} is outside the {mode} kernel set's proven domain {list(domain.get(dim, (1,)))}"
-           for dim, d in degrees.items() if d not in domain.get(dim, (1,))]
+    bad = [f"{dim}={d} is outside the {mode} kernel set's proven domain {list(domain.get(dim, (1,)))} "
+           "(the contract's topology claim)" for dim, d in degrees.items() if d not in domain.get(dim, (1,))]
     cp = degrees.get("cp", 1)
     if not bad and cp > 1:
         with_cp = ISOEXEC_CPU_CP_WITH if mode == "isoexec" and device == "cpu" else {}
-        bad += [f"{dim}={d} with cp={cp} is outside the degrees proven together with context parallelism "
-                f"{list(with_cp.get(dim, (1,)))}" for dim, d in degrees.items()
+        bad += [f"{dim}={d} with cp={cp} is outside the degrees proven together with context parallelism: "
+                f"{dim} in {list(with_cp.get(dim, (1,)))}" for dim, d in degrees.items()
                 if dim != "cp" and d not in with_cp.get(dim, (1,))]
     return bad
 
