@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from isoexec.trainer.megatron.config import Layout
-from tests.test_trainer_megatron import KERNELS, _batch, _maxdiff, hf_model, tiny_config, unified  # noqa: F401
+from tests.test_trainer_megatron import KERNELS, _batch, _maxdiff, hf_model, run_cases, tiny_config, unified  # noqa: F401
 
 SHORT = [9, 5]  # at CP 4 (3 positions per rank) the last rank holds padding only
 CP2, CP4 = Layout(cp=2), Layout(cp=4)
@@ -84,14 +84,7 @@ def _worker(rank, world, hf_state):
 @pytest.fixture(scope="module")
 def runs(hf_model):  # noqa: F811
     """{case name: [per-rank results]} from one launch per world size (1, 2, 4, 8)."""
-    from isoexec.trainer.megatron.launch import run
-
-    out = {}
-    for world in CASES:
-        ranks = run(_worker, world, hf_model[1])
-        for name in ranks[0]:
-            out[name] = [r[name] for r in ranks]
-    return out
+    return run_cases(_worker, CASES, hf_model[1])
 
 
 @pytest.mark.parametrize("case", list(CP_CASES))

@@ -34,6 +34,13 @@ all-reduce, all-gather through the pik reduce-scatter, reduce-scatter through th
 
 A padded batch's real lengths reach the sequence regions through the attention mask
 (:func:`isoexec.trainer.megatron.compat.padding_lengths`).
+
+Context parallelism (Megatron's ``context_parallel_size``; :mod:`isoexec.kernels.collectives.cp`): the
+sequence dim ``s`` of every module is this rank's contiguous slice (:func:`cp_slice`). Per-token regions
+(projections, norms, gating, MoE, ``lm_head``) need nothing else; RoPE takes the absolute positions;
+:class:`IsoCoreAttention` reads the CP-gathered K/V from position 0; :class:`IsoGatedDeltaNet` takes the
+conv prefix and the GDN state chain from the earlier ranks. Backward: the gathers' reduce-scatter and the
+chain's gradients sent back rank to rank.
 """
 
 from __future__ import annotations
