@@ -1,11 +1,11 @@
 """Context parallelism (CP) in the Megatron trainer's isoexec set, over gloo with several processes.
 
-Each sequence is split over the CP ranks in contiguous slices; the logprob rows of CP 2 and 4 (x TP 1
-and TP 2 + SP) must equal CP 1's and the engine path's bit for bit (``torch.equal`` on full-vocabulary
-fp32 rows, every rank). The batch of ``tests/test_trainer_megatron.py`` (150, 70 and 9 tokens, C = 64,
-kv_block = 64) puts a CP 2 rank boundary at position 75 or 76 (inside the second GDN chunk and KV block)
-and, at CP 4, boundaries every 38 positions (a chunk spread over three ranks); a batch of 9 and 5 tokens
-at CP 4 leaves the last rank padding only. Negative control: Megatron's own CP does not run this
+Each sequence is split over the CP ranks in Megatron's load-balanced chunks (rank r holds chunks r and
+2 cp - 1 - r); the logprob rows of CP 2 and 4 (x TP 1 and TP 2 + SP) must equal CP 1's and the engine
+path's bit for bit (``torch.equal`` on full-vocabulary fp32 rows, every rank). The batch of
+``tests/test_trainer_megatron.py`` (150, 70 and 9 tokens, C = 64, kv_block = 64) padded to 152 or 160
+gives chunks of 38, 19 or 20 positions: boundaries inside GDN chunks and KV blocks, a GDN chunk over three
+ranks at CP 4. A batch of 3 and 2 tokens leaves the last ranks padding only at CP 4. Negative control: Megatron's own CP does not run this
 model (refused, with the reason); native at CP 1 against the native engine path differs (max diff shown).
 Gradients need not be bitwise: fp32 per-parameter gradients at CP 2 and 4 agree with CP 1's.
 """
@@ -16,7 +16,7 @@ import torch
 from isoexec.trainer.megatron.config import Layout
 from tests.test_trainer_megatron import KERNELS, _batch, _maxdiff, hf_model, run_cases, tiny_config, unified  # noqa: F401
 
-SHORT = [9, 5]  # at CP 4 (3 positions per rank) the last rank holds padding only
+SHORT = [3, 2]  # at CP 4 (chunks of 1 or 2 positions) the last ranks hold padding only
 CP2, CP4 = Layout(cp=2), Layout(cp=4)
 TP2 = Layout(tp=2, sp=True)
 TP2_CP2, TP2_CP4 = Layout(tp=2, sp=True, cp=2), Layout(tp=2, sp=True, cp=4)
@@ -61,7 +61,7 @@ def _worker(rank, world, hf_state):
             continue
         if what == "rows":
             sids, scu = _short_batch()
-            slp = t.trainer_logprobs(sids, scu, grad=True)  # a rank of padding only at CP 4
+            slp = t.trainer_logprobs(sids, scu, grad=True)  # ranks of padding only at CP 4
             _loss(slp, sids).backward()
             t.zero_grad()
             r["short"] = slp.detach()

@@ -12,9 +12,9 @@ may live anywhere, outputs live on that device. The model is a Megatron ``GPTMod
 - :meth:`MegatronTrainer.trainer_logprobs`: packed ``[T]`` tokens -> ``[T, V]`` fp32 full-vocabulary
   logprobs, identical on every rank (the vocabulary dim is gathered over TP, the sequence over CP).
   Megatron's GDN refuses packed sequences, so the batch runs right-padded as ``[B, Lmax]`` (``Lmax``
-  rounded up to a multiple of CP x TP under sequence parallelism) with an explicit mask (causal +
+  rounded up to a multiple of 2 CP x TP under sequence parallelism) with an explicit mask (causal +
   padding for ``native``; the padding alone for ``isoexec``, whose modules read the real lengths).
-  Under context parallelism (``layout.cp``) each rank runs its contiguous slice of ``Lmax / cp``
+  Under context parallelism (``layout.cp``) each rank runs its two load-balanced chunks of ``Lmax / (2 cp)``
   positions (:mod:`isoexec.kernels.collectives.cp`) and the logprob rows are all-gathered; only the
   ``isoexec`` set runs it (Megatron's local attention and GDN have no CP without Transformer Engine).
 - :meth:`MegatronTrainer.checkpoint_state_dict`: the weights under HF names, gathered over TP/EP (what a
@@ -204,14 +204,16 @@ class MegatronTrainer:
         cu = check_cu_seqlens(cu_seqlens, input_ids.numel())
         check_token_ids(input_ids, self.hf_config.vocab_size)
         lengths = torch.tensor([b - a for a, b in zip(cu, cu[1:])])
-        step = self.layout.cp * (self.layout.tp if self.layout.sp else 1)  # each rank's slice splits over SP
+        cp = self.layout.cp
+        step = (2 * cp if cp > 1 else 1) * (self.layout.tp if self.layout.sp else 1)  # 2 cp chunks, each rank's rows over SP
         lmax = -(-int(lengths.max()) // step) * step
         padded = torch.zeros(len(lengths), lmax, dtype=torch.long)
         for b, (a, n) in enumerate(zip(cu, lengths.tolist())):
             padded[b, :n] = input_ids[a : a + n].cpu()
-        piece = cp_slice(lmax // self.layout.cp)
-        padded = padded[:, piece.start : piece.end].to(self.device)
-        positions = torch.arange(piece.start, piece.end, device=self.device).expand(len(lengths), piece.size)
+        piece = cp_slice(lmax // cp)
+        positions = piece.positions().expand(len(lengths), piece.size)
+        padded = padded.gather(1, positions).to(self.device)
+        positions = positions.to(self.device)
         if self.kernels is None:
             mask = compat.causal_padding_mask(lengths.to(self.device), lmax)
         else:  # the isoexec modules read the real lengths only
@@ -229,12 +231,13 @@ class MegatronTrainer:
                 lp = rows.new_zeros(rows.shape)
             if piece.degree == 1:
                 return lp
-            # every rank's rows, in sequence order (the gather's backward: this rank's rows, x cp)
+            # every rank's rows, put in sequence order (the gather's backward: this rank's rows, x cp)
             idx = torch.cat([b * piece.size + torch.arange(n, device=lp.device) for b, n in enumerate(local)])
             mine = lp.new_zeros(len(local) * piece.size, lp.shape[1]).index_copy(0, idx, lp)
             if not rows.shape[0]:
                 mine = keep_in_graph(mine, logits)
             full = gather_sequence_replicated(mine.view(len(local), piece.size, -1), self.groups["cp"], dim=1)
+            full = full.index_select(1, piece.gather_order(full.device))
             return torch.cat([full[b, :n] for b, n in enumerate(lengths.tolist())])
 
     # --------------------------------------------------------------------------------- optimizer
