@@ -131,8 +131,9 @@ def cp_step_times(hf_config, hf_state: dict[str, torch.Tensor], layout: Layout, 
     Returns:
         One row per (tokens, layout): ``tokens``, ``layout``, ``cp``, ``world_size``, ``score_s`` and
         ``step_s`` (medians over the repeats of the slowest rank), ``step_ratio_over_cp1`` and
-        ``score_ratio_over_cp1``, ``rows_equal_cp1`` (the first repeat's trainer_score rows ``torch.equal``
-        to CP 1's), ``repeats``.
+        ``score_ratio_over_cp1``, ``step_s_min`` / ``step_s_max`` (the spread over the repeats: other work
+        on the machine takes cores from the CP ranks), ``rows_equal_cp1`` (the first repeat's
+        trainer_score rows ``torch.equal`` to CP 1's), ``repeats``.
 
     Raises:
         ValueError: ``layout.cp == 1``; ValueError / ClaimViolation from the trainer.
@@ -162,6 +163,7 @@ def cp_step_times(hf_config, hf_state: dict[str, torch.Tensor], layout: Layout, 
                         "score_s": med[k]["score_s"], "step_s": med[k]["step_s"],
                         "score_ratio_over_cp1": med[k]["score_s"] / med["cp1"]["score_s"],
                         "step_ratio_over_cp1": med[k]["step_s"] / med["cp1"]["step_s"],
+                        "step_s_min": min(times[k][n]["step_s"]), "step_s_max": max(times[k][n]["step_s"]),
                         "rows_equal_cp1": torch.equal(rows[(k, n)], rows[("cp1", n)]), "repeats": repeats})
     return out
 
