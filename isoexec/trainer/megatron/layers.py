@@ -146,14 +146,12 @@ class CpuShards:
         return routed_swiglu_partial(x, ids, dict(zip(local_ids, weights)), etp, c["row_tile"], c["col_tile"],
                                      c["leaves"])
 
-
     def gdn_pieces(self, q, k, v, g, beta, piece: SequenceSlice, full: list[int]) -> torch.Tensor:
-        """Region ``gdn.core`` on this CP rank's local rows of sequences of global lengths ``full``
-        (``q``... the real rows of every sequence with tokens here, sequence after sequence, each its
-        local chunks in order): per local chunk :class:`~isoexec.kernels.gdn.cpu.CPRPieceFunction`, the
-        chain exchanged with the holders of the neighbouring chunks
-        (:class:`~isoexec.kernels.collectives.cp.ChainExchange`). Inputs as the region's (fp32); returns
-        ``o [N, H, Dv]`` fp32 with the bits of the whole sequences' rows."""
+        """Region ``gdn.core`` on this CP rank's rows of the sequences of global lengths ``full`` (the
+        inputs hold each sequence's real local rows, sequence after sequence, its local chunks in order):
+        per local chunk :class:`~isoexec.kernels.gdn.cpu.CPRPieceFunction`, the chain exchanged with the
+        holders of the neighbouring chunks (:class:`~isoexec.kernels.collectives.cp.ChainExchange`). Inputs
+        as the region's (fp32); returns ``o [N, H, Dv]`` fp32 with the bits of the whole sequences' rows."""
         from isoexec.kernels.gdn.cpu import CPRPieceFunction
 
         counts = piece.chunk_lengths(full)  # [slot][sequence]
