@@ -259,7 +259,7 @@ class TrainerSection(_Section):
     ``backend``: one backend for both modes, or a mapping ``mode -> backend``. ``hf`` is transformers'
     ``Qwen3NextForCausalLM`` with its own kernels (native only); ``unified`` is the unified model with
     the mode's kernel set; ``megatron`` is megatron-core (:mod:`isoexec.trainer.megatron`) with the
-    mode's kernel set on ``tp`` x ``ep`` ranks (one process each; gloo on CPU, NCCL on CUDA).
+    mode's kernel set on ``cp`` x ``max(tp, ep)`` ranks (one process each; gloo on CPU, NCCL on CUDA).
     """
 
     backend: TrainerBackend | dict[Mode, TrainerBackend] = Field(
@@ -268,6 +268,8 @@ class TrainerSection(_Section):
     ep: PositiveInt = Field(1, description="megatron: expert-parallel degree (routed experts over ranks)")
     sp: bool | None = Field(None, description="megatron: sequence parallelism; None: on exactly when tp > 1 "
                             "(Megatron's MoE needs it at tp > 1)")
+    cp: PositiveInt = Field(1, description="megatron: context-parallel degree (each sequence split over cp ranks "
+                            "in contiguous slices; isoexec set only, proven at 1, 2, 4 with tp 1 or 2)")
 
     def backend_for(self, mode: str) -> str:
         """The backend of ``mode``.
@@ -282,10 +284,10 @@ class TrainerSection(_Section):
         return self.backend[mode]
 
     def layout(self):
-        """The Megatron layout of ``tp``, ``ep``, ``sp`` (:class:`isoexec.trainer.megatron.config.Layout`)."""
+        """The Megatron layout of ``tp``, ``ep``, ``sp``, ``cp`` (:class:`isoexec.trainer.megatron.config.Layout`)."""
         from isoexec.trainer.megatron.config import Layout
 
-        return Layout(tp=self.tp, ep=self.ep, sp=self.tp > 1 if self.sp is None else self.sp)
+        return Layout(tp=self.tp, ep=self.ep, sp=self.tp > 1 if self.sp is None else self.sp, cp=self.cp)
 
     def world_size(self, mode: str) -> int:
         """Trainer processes of ``mode``: the layout's world size for ``megatron``, else 1."""
@@ -293,9 +295,10 @@ class TrainerSection(_Section):
 
     def megatron_problems(self, mode: str, device: str, model: "ModelSection") -> list[str]:
         """Why ``megatron`` cannot run ``mode`` with this layout (empty: it can): the device, the layout
-        itself, sizes of ``model`` it does not divide, and, for ``isoexec``, degrees outside the kernel
-        set's proven topology (the contract's claim, :func:`isoexec.kernels.topology.proven_topology`)."""
-        from isoexec.kernels.topology import proven_topology
+        itself, sizes of ``model`` it does not divide, context parallelism in ``native`` mode, and, for
+        ``isoexec``, degrees outside the kernel set's proven topology (the contract's claim and the degrees
+        proven together with ``cp > 1``, :func:`isoexec.kernels.topology.topology_problems`)."""
+        from isoexec.kernels.topology import topology_problems
         from isoexec.trainer.megatron.config import layout_problems, splittable_degrees
 
         if device not in ("cpu", "cuda"):
@@ -304,17 +307,19 @@ class TrainerSection(_Section):
         try:
             layout.check()
         except ValueError as e:
-            return [f"trainer tp={self.tp} ep={self.ep} sp={self.sp}: {e}"]
+            return [f"trainer tp={self.tp} ep={self.ep} sp={self.sp} cp={self.cp}: {e}"]
         bad = [f"trainer layout {layout.name}: model.{p}" for p in layout_problems(model, layout)]
         if bad:
             bad.append(f"trainer layout {layout.name}: this model splits at tp in {splittable_degrees(model, 'tp')} "
                        f"(ep 1) and at ep in {splittable_degrees(model, 'ep')} (tp 1), of 1..16")
+        if mode == "native" and self.cp > 1:
+            bad.append(f"trainer.cp={self.cp}: megatron-core's local attention and GDN (the native set) have no "
+                       "context parallelism without Transformer Engine; run mode native at cp=1 (e.g. "
+                       "trainer.backend: {native: hf, isoexec: megatron}) or drop native from rl.modes")
         if mode == "isoexec":
-            domain = proven_topology(mode, device)
-            what = {"sp": "sequence-parallel degree (tp when sp is on)", "dp": "data-parallel replicas"}
-            bad += [f"trainer layout {layout.name}: {what[dim] + ' ' if dim in what else ''}{dim}={d} is outside the isoexec kernel "
-                    f"set's proven domain {list(domain.get(dim, (1,)))} (the contract's topology claim)"
-                    for dim, d in layout.degrees().items() if d not in domain.get(dim, (1,))]
+            what = {"sp": "sequence-parallel degree (tp when sp is on) ", "dp": "data-parallel replicas "}
+            bad += [f"trainer layout {layout.name}: {what.get(p.split('=')[0], '')}{p}"
+                    for p in topology_problems(mode, device, layout.degrees())]
         return bad
 
 

@@ -106,17 +106,22 @@ def hf_model():
     return policy, {k: v.clone() for k, v in policy.checkpoint_state_dict().items()}
 
 
-@pytest.fixture(scope="module")
-def runs(hf_model):
-    """{case name: [per-rank results]} from one launch per world size."""
+def run_cases(worker, worlds, hf_state) -> dict:
+    """{case name: [per-rank results]} of ``worker`` from one launch per world size in ``worlds``."""
     from isoexec.trainer.megatron.launch import run
 
     out = {}
-    for world in CASES:
-        ranks = run(_worker, world, hf_model[1])
+    for world in worlds:
+        ranks = run(worker, world, hf_state)
         for name in ranks[0]:
             out[name] = [r[name] for r in ranks]
     return out
+
+
+@pytest.fixture(scope="module")
+def runs(hf_model):
+    """{case name: [per-rank results]} from one launch per world size."""
+    return run_cases(_worker, CASES, hf_model[1])
 
 
 @pytest.fixture(scope="module")

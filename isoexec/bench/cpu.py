@@ -137,6 +137,8 @@ def bench_command(
     out_dir: str = typer.Option(None, help="folder for model_throughput.csv and its provenance (default: "
                                            "runs/<exp>/bench/, not committed; pass results/<exp>/bench to "
                                            "replace the committed reference)"),
+    what: str = typer.Option("all", help="CPU: all (every table) | cp-step (only cp_step.csv: the Megatron "
+                                         "trainer at trainer.cp against CP 1 on 4k, 8k, 16k-token sequences)"),
 ) -> None:
     """Tokens/s of isoexec vs native kernel sets on the experiment's model; prints and writes a CSV.
 
@@ -157,6 +159,10 @@ def bench_command(
         from isoexec.bench.gpu import gpu_bench_command
 
         return gpu_bench_command(config, str(out), "bench")
+    if what not in ("all", "cp-step"):
+        raise ValueError(f"--what {what!r}; allowed on CPU: 'all', 'cp-step'")
+    if what == "cp-step":
+        return _cp_step(cfg, config, out, repeats)
     vocab = cfg.model.vocab_size or 256
     models = {ks: random_model(cfg.model, cfg.kernels, ks, vocab_size=vocab, device=cfg.device) for ks in ("isoexec", "native")}
     gen = torch.Generator().manual_seed(0)
@@ -204,3 +210,25 @@ def bench_command(
             atomic_write_text(out / f"{name}.provenance.json", prov)
             for r in table:
                 typer.echo(f"{name}: " + "  ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in r.items()))
+
+
+def _cp_step(cfg, config: str, out: Path, repeats: int) -> None:
+    """``cp_step.csv`` alone (:func:`isoexec.bench.megatron_cpu.cp_step_times`) for the experiment's layout.
+
+    Raises:
+        ValueError: the experiment's isoexec mode does not train with Megatron at ``trainer.cp > 1``.
+    """
+    from isoexec.bench.megatron_cpu import bench_model, cp_step_times
+    from isoexec.io import atomic_write_text, write_csv
+    from isoexec.provenance import provenance
+
+    if cfg.trainer.backend_for("isoexec") != "megatron" or cfg.trainer.cp == 1:
+        raise ValueError(f"{config}: --what cp-step times trainer.backend megatron (isoexec mode) at trainer.cp > 1; "
+                         f"this experiment has backend {cfg.trainer.backend_for('isoexec')!r}, cp={cfg.trainer.cp}")
+    hf_cfg, state = bench_model(cfg)
+    rows = cp_step_times(hf_cfg, state, cfg.trainer.layout(), cfg.kernels, repeats=repeats)
+    write_csv(out / "cp_step.csv", rows)
+    atomic_write_text(out / "cp_step.provenance.json", json.dumps(provenance(), indent=2, sort_keys=True) + "\n")
+    for r in rows:
+        typer.echo(f"cp_step tokens {r['tokens']:6d} {r['layout']:10s} score {r['score_s']:7.2f} s  step {r['step_s']:7.2f} s  "
+                   f"step ratio over CP 1 {r['step_ratio_over_cp1']:.2f}  rows equal CP 1: {r['rows_equal_cp1']}")

@@ -55,7 +55,7 @@ REGIONS: tuple[str, ...] = (
 """Known regions (DESIGN section 2). To use another region, pass ``regions=REGIONS + ("x.y",)`` to
 ``ExecutionContract.build`` / ``validate`` / ``load``; the extension is explicit at every call."""
 
-PARALLEL_DIMS: tuple[str, ...] = ("tp", "ep", "sp", "pp", "dp")
+PARALLEL_DIMS: tuple[str, ...] = ("tp", "ep", "sp", "pp", "dp", "cp")
 """Parallel dimensions a topology claim may name. An unclaimed dimension is pinned to degree 1."""
 
 STATES: tuple[str, ...] = ("prefix_cache", "kv_cache", "gdn_state", "conv_state")
@@ -164,7 +164,7 @@ class Claims:
     """Conditions under which the composition holds.
 
     Args:
-        topology: parallel dimension (``tp``, ``ep``, ``sp``, ``pp``, ``dp``) -> :class:`TopologyClaim`.
+        topology: parallel dimension (``tp``, ``ep``, ``sp``, ``pp``, ``dp``, ``cp``) -> :class:`TopologyClaim`.
             Unclaimed dimensions are pinned to 1.
         state: event name (``weight_sync``, ``preemption``, ...) -> states it invalidates
             (names from :data:`STATES`).

@@ -111,11 +111,12 @@ def local_overrides(exp: ExperimentConfig, mode: str, seed: int, init_dir: str |
     world = exp.trainer.world_size(mode)
     if exp.trainer.backend_for(mode) == "megatron":
         # SkyRL's own name for a Megatron policy, so that its validation counts the data-parallel size as
-        # world / tp; the worker class is isoexec's (see driver), which gives every rank the whole batch.
+        # world / (tp * cp); the worker class is isoexec's (see driver), which gives every rank the whole batch.
         strategy = {"trainer.strategy": "megatron",
                     "trainer.policy.megatron_config.tensor_model_parallel_size": exp.trainer.tp,
-                    "trainer.policy.megatron_config.expert_model_parallel_size": exp.trainer.ep}
-        data_parallel = world // exp.trainer.tp
+                    "trainer.policy.megatron_config.expert_model_parallel_size": exp.trainer.ep,
+                    "trainer.policy.megatron_config.context_parallel_size": exp.trainer.cp}
+        data_parallel = world // (exp.trainer.tp * exp.trainer.cp)
     else:
         strategy = {"trainer.strategy": "fsdp"}  # names SkyRL's default; the worker class is isoexec's
         data_parallel = world

@@ -22,7 +22,7 @@ with no edit to SkyRL:
   which finalizes Megatron's gradients and clips by the TP/EP-aware norm).
 - :class:`IsoExecPolicyWorker`: one rank of the worker group. SkyRL starts
   ``trainer.placement.policy_num_gpus_per_node`` of them as Ray actors (the rendered config sets it to
-  the trainer's world size: ``trainer.tp`` x ``trainer.ep`` ranks for ``megatron``, 1 otherwise);
+  the trainer's world size: ``trainer.cp`` x ``max(trainer.tp, trainer.ep)`` ranks for ``megatron``, 1 otherwise);
   they form one gloo group, and for ``megatron`` each builds its shard of the model on the Megatron
   groups of the layout (:func:`isoexec.trainer.megatron.launch.init_parallel`). Every rank receives
   the whole batch (SkyRL's mesh: one data-parallel rank; Megatron's replicas want the same data) and
