@@ -5,6 +5,8 @@
 
 rule kernel_bench:
     """Each IsoExec kernel against the native one on the same shapes; the CPR per-layer table."""
+    input:
+        experiment=EXPERIMENT,
     output:
         directory(f"{RUNS}/bench"),
     log:
@@ -15,7 +17,6 @@ rule kernel_bench:
         "../envs/isoexec.yaml"
     threads: ALL_CORES
     params:
-        config=CONFIGFILE,
         settings=settings_digest("device", "model", "kernels"),
     shell:
-        "isoexec bench --config {params.config} --out-dir {output} > {log} 2>&1"
+        "isoexec bench --config {input.experiment} --out-dir {output} > {log} 2>&1"

@@ -10,7 +10,7 @@ import shutil
 from isoexec.allocator import with_tcmalloc
 from isoexec.cli import error_line
 from isoexec.config import load_config
-from isoexec.settings import RECORD, settings_conflict
+from isoexec.settings import RECORD, settings_conflict, write_record
 
 DEFAULT_CONFIGFILE = "experiments/cpu-tiny.yaml"
 
@@ -82,6 +82,12 @@ CFG = validated_config(CONFIGFILE)
 EXP = CFG.name
 RES = str(CFG.out_dir)  # results/<exp>: small files only, committed
 SETTINGS = f"{RES}/{RECORD}"  # the validated config these results were made with
+# Every job reads the experiment from its settings record, not from the YAML it was given: a job's
+# parameters then depend on the settings alone, so the same settings under another path (a moved or
+# copied YAML) rerun nothing, and what a job ran with is what the record says. ancient(): the record's
+# file time (git sets it in a clone) never makes a job look outdated; changed settings do, through
+# each rule's settings digest.
+EXPERIMENT = ancient(SETTINGS)
 RUNS = f"runs/{EXP}"  # models and checkpoints, not committed
 LOGS = f"logs/{EXP}"
 BENCH = f"{RES}/benchmarks"

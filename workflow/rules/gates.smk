@@ -3,6 +3,8 @@
 
 rule gates:
     """Contract digest and gate matrix (IsoExec cells bitwise equal, native negative controls)."""
+    input:
+        experiment=EXPERIMENT,
     output:
         contract=report(
             f"{RES}/contract.json", caption="../report/contract.rst", category="Gates"
@@ -18,7 +20,7 @@ rule gates:
         "../envs/isoexec.yaml"
     threads: ONE_THREAD
     params:
-        config=CONFIGFILE,
+        out_dir=lambda wildcards, output: os.path.dirname(output.gates),
         settings=settings_digest("device", "model", "kernels", "gates"),
     shell:
-        "isoexec gates --config {params.config} > {log} 2>&1"
+        "isoexec gates --config {input.experiment} --out-dir {params.out_dir} > {log} 2>&1"

@@ -6,6 +6,7 @@ rule rl_train:
     """GRPO/DAPO for rl.steps steps in one mode and seed; per-step metrics and provenance."""
     input:
         init=f"{RUNS}/model/sft",
+        experiment=EXPERIMENT,
     output:
         metrics=f"{RES}/rl/{{mode}}/seed{{seed}}/metrics.jsonl",
         provenance=f"{RES}/rl/{{mode}}/seed{{seed}}/provenance.json",
@@ -17,11 +18,10 @@ rule rl_train:
         "../envs/isoexec.yaml"
     threads: ALL_CORES
     params:
-        config=CONFIGFILE,
         out=lambda wildcards, output: os.path.dirname(output.metrics),
         settings=settings_digest(
             "device", "model", "kernels", "task", "rl", "trainer", "engine"
         ),
     shell:
-        "isoexec rl train --config {params.config} --mode {wildcards.mode} --seed {wildcards.seed}"
+        "isoexec rl train --config {input.experiment} --mode {wildcards.mode} --seed {wildcards.seed}"
         " --init {input.init} --out {params.out} > {log} 2>&1"

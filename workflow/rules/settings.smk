@@ -1,5 +1,6 @@
-# The settings record: the validated config of the experiment, kept beside its results. common.smk
-# refuses a config whose name has a record with other settings (isoexec.settings).
+# The settings record: the validated config of the experiment, kept beside its results, and the file
+# every other job reads the experiment from (common.smk: EXPERIMENT). common.smk refuses a config
+# whose name has a record with other settings (isoexec.settings).
 
 
 rule experiment_settings:
@@ -8,9 +9,7 @@ rule experiment_settings:
         SETTINGS,
     log:
         f"{LOGS}/experiment_settings.log",
-    conda:
-        "../envs/isoexec.yaml"
     params:
-        config=CONFIGFILE,
-    shell:
-        "isoexec config --config {params.config} --out {output} > {log} 2>&1"
+        settings=settings_digest(*type(CFG).model_fields),
+    run:
+        write_record(CFG, output[0])

@@ -7,6 +7,8 @@
 
 rule skyrl_config:
     """SkyRL's overrides for one mode, rendered from the experiment and validated by SkyRL."""
+    input:
+        experiment=EXPERIMENT,
     output:
         f"{RES}/skyrl/{{mode}}.skyrl.yaml",
     log:
@@ -14,10 +16,9 @@ rule skyrl_config:
     conda:
         "../envs/isoexec.yaml"
     params:
-        config=CONFIGFILE,
         settings=settings_digest("kernels", "rl", "engine", "skyrl"),
     shell:
-        "isoexec rl skyrl-config --config {params.config} --mode {wildcards.mode} --out {output} > {log} 2>&1"
+        "isoexec rl skyrl-config --config {input.experiment} --mode {wildcards.mode} --out {output} > {log} 2>&1"
 
 
 rule skyrl_run:
