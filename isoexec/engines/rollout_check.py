@@ -91,7 +91,7 @@ def score(cfg: ExperimentConfig, mode: str, checkpoint: Path, sequences: list[li
 
 def compare(mode: str, completions: list[list[Completion]], prompts: list[list[int]], trainer: Any = None,
             rows: list[torch.Tensor] | None = None) -> dict[str, Any]:
-    """Metrics of DESIGN section 4 for engine vs trainer logprobs of the sampled tokens.
+    """Metrics of docs/design.md (Metrics) for engine vs trainer logprobs of the sampled tokens.
 
     Args:
         completions: per prompt its samples (as :meth:`RolloutEngine.generate` returns them).

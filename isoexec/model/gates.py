@@ -1,5 +1,5 @@
 """Bitwise gates: the same tokens' full-vocabulary fp32 logprob rows computed in different cases,
-batch compositions and chunkings must be ``torch.equal`` (DESIGN §3, §5.1).
+batch compositions and chunkings must be ``torch.equal`` (docs/design.md, The unified model and The experiments).
 
 Every gate runs for each dtype with the ``isoexec`` kernel set and with the ``native`` set; a native
 row that differs is the negative control showing the gate can detect a difference.

@@ -1,4 +1,4 @@
-# Kernel benchmarks (DESIGN.md §5.3): not part of `reproduce` (timing needs a quiet machine). Written
+# Kernel benchmarks (docs/design.md, The experiments): not part of `reproduce` (timing needs a quiet machine). Written
 # under runs/<exp>/bench/ (not committed); the committed reference results/cpu-tiny/bench/ is replaced
 # only on purpose, with `isoexec bench --out-dir results/cpu-tiny/bench`.
 

@@ -1,4 +1,4 @@
-# Gates (DESIGN.md §5.1): the execution contract and the bitwise matrix of regions x case pairs.
+# Gates (docs/design.md, The experiments): the execution contract and the bitwise matrix of regions x case pairs.
 
 
 rule gates:

@@ -1,4 +1,4 @@
-# Paired RL runs (DESIGN.md §5.2): one job per mode x seed, all from the same SFT checkpoint.
+# Paired RL runs (docs/design.md, The experiments): one job per mode x seed, all from the same SFT checkpoint.
 # Each job takes every core, so timed runs never share the machine (the overheads stay honest).
 
 
