@@ -41,8 +41,12 @@ from pathlib import Path
 from typing import Any
 
 from isoexec.config import ExperimentConfig
-from isoexec.rl.skyrl.env import ENV_ID
-from isoexec.rl.skyrl.worker import SETTINGS_KEY
+from isoexec.rl.skyrl import compat
+
+compat.install()  # before the first skyrl import (compat item 1)
+
+from isoexec.rl.skyrl.env import ENV_ID  # noqa: E402
+from isoexec.rl.skyrl.worker import SETTINGS_KEY  # noqa: E402
 
 ENTRYPOINT_KEY = "trainer.override_entrypoint"
 """SkyRL's launcher key (``skyrl/train/entrypoints/main_base.py``, ``main``): the module whose ``main()`` runs
