@@ -28,7 +28,7 @@ def tracked_text_files() -> list[Path]:
 def test_no_file_cites_a_document_outside_the_repository():
     """The design lives in docs/design.md: no DESIGN.md, no ../shared, no briefs from outside."""
     outside = re.compile(r"DESIGN(\.md| ?§| section)|\.\./shared|ENVIRONMENT\.md|STYLE\.md|design brief")
-    hits = [f"{p.relative_to(ROOT)}:{i}" for p in tracked_text_files() if p != DESIGN
+    hits = [f"{p.relative_to(ROOT)}:{i}" for p in tracked_text_files() if p not in (DESIGN, Path(__file__))
             for i, line in enumerate(p.read_text(errors="replace").splitlines(), 1) if outside.search(line)]
     assert not hits, hits
 
@@ -42,3 +42,34 @@ def test_references_to_the_design_name_its_sections():
             if not any(name.startswith(h) or h.startswith(name) for h in headings):
                 bad.append(f"{p.relative_to(ROOT)}: {name!r}")
     assert not bad, (bad, headings)
+
+
+README = ROOT / "README.md"
+
+
+def test_readme_main_table_is_the_committed_runs():
+    """The README's table is results/cpu-tiny/tables/main.md pasted (its provenance comment left in the file):
+    regenerating the results without pasting the new table fails here."""
+    readme = README.read_text()
+    m = re.search(r"<!-- main table: (results/[\w.-]+/tables/main\.md) -->\n(.*?)\n<!-- end of main table -->", readme, re.S)
+    assert m, "README.md lost its main-table markers"
+    table = re.sub(r"\A<!--.*?-->\n", "", (ROOT / m.group(1)).read_text(), flags=re.S).strip()
+    assert m.group(2).strip() == table, f"paste {m.group(1)} (without its leading comment) between the markers"
+    assert (ROOT / "results" / "cpu-tiny" / "figures" / "logprob_diff.png").is_file()
+    assert "(results/cpu-tiny/figures/logprob_diff.png)" in readme
+
+
+def test_readme_test_command_is_what_ci_runs():
+    """The README's second fresh-machine command runs what .ci/run runs: the setup, then pytest with the same
+    environment and options."""
+    ci = (ROOT / ".ci" / "run").read_text()
+    env = re.search(r"^export (.+)$", ci, re.M).group(1).split()
+    test = next(line for line in ci.splitlines() if "pytest" in line).strip()
+    setup = "bash workflow/scripts/setup.sh"
+    assert setup in ci
+    assert f"{setup} && {' '.join(env)} {test}" in README.read_text()
+
+
+def test_readme_is_a_five_minute_read():
+    words = len(re.sub(r"<!--.*?-->", "", README.read_text(), flags=re.S).split())
+    assert words < 2500, words
