@@ -472,8 +472,8 @@ def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
 
 
 def load_config(path: str | Path) -> ExperimentConfig:
-    """Load and validate an experiment YAML, or the settings record ``results/<exp>/experiment.json``
-    (:mod:`isoexec.settings`; a ``.json`` file is read as JSON, which the workflow's jobs run from).
+    """Load and validate an experiment YAML, or a settings record ``results/<exp>/experiment.json``
+    (:mod:`isoexec.settings`; a ``.json`` file is read as JSON): a run can be repeated from its record.
 
     Raises:
         FileNotFoundError: the file does not exist (the message lists the YAML files of its folder).

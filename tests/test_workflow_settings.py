@@ -105,14 +105,14 @@ def test_committed_record_matches_the_default_experiment():
 
 @pytest.mark.skipif(not SNAKEMAKE.exists(), reason="snakemake not installed beside python")
 def test_a_moved_or_copied_config_with_the_same_settings_reruns_nothing(tmp_path):
-    """Jobs read the experiment from results/<exp>/experiment.json, so their parameters are the settings, not
-    the YAML's path: the same settings at another path find everything up to date (metadata included)."""
+    """The YAML's path is no job parameter (jobs read it from $ISOEXEC_EXPERIMENT; their parameters are the
+    settings digests): the same settings at another path find everything up to date (metadata included)."""
     (tmp_path / "a.yaml").write_text(CI_TINY)
     (tmp_path / "elsewhere").mkdir()
     (tmp_path / "elsewhere" / "copy.yaml").write_text(CI_TINY)
     r = snakemake(tmp_path, "--cores", "1", "runs/rec/model/init", "--config", "experiment=a.yaml")
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "isoexec rl init-model --config results/rec/experiment.json" in r.stdout + r.stderr
+    assert 'isoexec rl init-model --config "$ISOEXEC_EXPERIMENT"' in r.stdout + r.stderr
     for how in (["--config", "experiment=elsewhere/copy.yaml"], ["--configfile", "elsewhere/copy.yaml"]):
         again = snakemake(tmp_path, "-n", "runs/rec/model/init", *how)
         assert again.returncode == 0 and "Nothing to be done" in again.stdout + again.stderr, again.stdout + again.stderr

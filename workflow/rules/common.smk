@@ -82,12 +82,6 @@ CFG = validated_config(CONFIGFILE)
 EXP = CFG.name
 RES = str(CFG.out_dir)  # results/<exp>: small files only, committed
 SETTINGS = f"{RES}/{RECORD}"  # the validated config these results were made with
-# Every job reads the experiment from its settings record, not from the YAML it was given: a job's
-# parameters then depend on the settings alone, so the same settings under another path (a moved or
-# copied YAML) rerun nothing, and what a job ran with is what the record says. ancient(): the record's
-# file time (git sets it in a clone) never makes a job look outdated; changed settings do, through
-# each rule's settings digest.
-EXPERIMENT = ancient(SETTINGS)
 RUNS = f"runs/{EXP}"  # models and checkpoints, not committed
 LOGS = f"logs/{EXP}"
 BENCH = f"{RES}/benchmarks"
@@ -110,6 +104,11 @@ NOTEBOOK = os.path.join(workflow.basedir, "notebooks", "analysis.ipynb")
 # the rollout check (their recorded times, e.g. SFT's time_s, are then of a shared machine).
 ALL_CORES = os.cpu_count() or 1
 ONE_THREAD = 1
+
+# Every job reads the experiment YAML from $ISOEXEC_EXPERIMENT: its path is no job parameter, so the same
+# settings under another path (a moved or copied YAML) rerun nothing; changed settings rerun what reads
+# them through each rule's settings digest, and a name whose record has other settings is refused above.
+os.environ.update(ISOEXEC_EXPERIMENT=CONFIGFILE)
 
 # Every job allocates through tcmalloc where it is installed (vLLM's CPU setup; isoexec/allocator.py
 # says why): a preload acts when a process starts, so it is set here, once, for all jobs.

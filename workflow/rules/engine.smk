@@ -5,7 +5,6 @@ rule rollout_check:
     """Engine vs trainer logprobs on sampled rollouts, both modes, on the pipeline's initial model."""
     input:
         init=f"{RUNS}/model/init",
-        experiment=EXPERIMENT,
     output:
         rollout_check=report(
             f"{RES}/rollout_check.json",
@@ -24,5 +23,5 @@ rule rollout_check:
             "device", "model", "kernels", "task", "trainer", "engine"
         ),
     shell:
-        "isoexec rollout-check --config {input.experiment} --checkpoint {input.init}"
+        'isoexec rollout-check --config "$ISOEXEC_EXPERIMENT" --checkpoint {input.init}'
         " --out {output.rollout_check} > {log} 2>&1"

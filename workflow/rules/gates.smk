@@ -3,8 +3,6 @@
 
 rule gates:
     """Contract digest and gate matrix (IsoExec cells bitwise equal, native negative controls)."""
-    input:
-        experiment=EXPERIMENT,
     output:
         contract=report(
             f"{RES}/contract.json", caption="../report/contract.rst", category="Gates"
@@ -23,4 +21,4 @@ rule gates:
         out_dir=lambda wildcards, output: os.path.dirname(output.gates),
         settings=settings_digest("device", "model", "kernels", "gates"),
     shell:
-        "isoexec gates --config {input.experiment} --out-dir {params.out_dir} > {log} 2>&1"
+        'isoexec gates --config "$ISOEXEC_EXPERIMENT" --out-dir {params.out_dir} > {log} 2>&1'

@@ -3,8 +3,6 @@
 
 rule init_model:
     """Random-init model from the config's model section (HF checkpoint layout)."""
-    input:
-        experiment=EXPERIMENT,
     output:
         directory(f"{RUNS}/model/init"),
     log:
@@ -17,14 +15,13 @@ rule init_model:
     params:
         settings=settings_digest("device", "model", "kernels", "task"),
     shell:
-        "isoexec rl init-model --config {input.experiment} --out {output} > {log} 2>&1"
+        'isoexec rl init-model --config "$ISOEXEC_EXPERIMENT" --out {output} > {log} 2>&1'
 
 
 rule sft:
     """Supervised fine-tuning so that RL starts from a model with nonzero, unsaturated reward."""
     input:
         init=f"{RUNS}/model/init",
-        experiment=EXPERIMENT,
     output:
         directory(f"{RUNS}/model/sft"),
     log:
@@ -38,7 +35,7 @@ rule sft:
     params:
         settings=settings_digest("device", "model", "kernels", "task", "sft"),
     shell:
-        "isoexec rl sft --config {input.experiment} --init {input.init} --out {output} > {log} 2>&1"
+        'isoexec rl sft --config "$ISOEXEC_EXPERIMENT" --init {input.init} --out {output} > {log} 2>&1'
 
 
 rule sft_metrics:

@@ -6,7 +6,6 @@ rule rl_train:
     """GRPO/DAPO for rl.steps steps in one mode and seed; per-step metrics and provenance."""
     input:
         init=f"{RUNS}/model/sft",
-        experiment=EXPERIMENT,
     output:
         metrics=f"{RES}/rl/{{mode}}/seed{{seed}}/metrics.jsonl",
         provenance=f"{RES}/rl/{{mode}}/seed{{seed}}/provenance.json",
@@ -23,5 +22,5 @@ rule rl_train:
             "device", "model", "kernels", "task", "rl", "trainer", "engine"
         ),
     shell:
-        "isoexec rl train --config {input.experiment} --mode {wildcards.mode} --seed {wildcards.seed}"
+        'isoexec rl train --config "$ISOEXEC_EXPERIMENT" --mode {wildcards.mode} --seed {wildcards.seed}'
         " --init {input.init} --out {params.out} > {log} 2>&1"

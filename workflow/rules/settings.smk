@@ -1,6 +1,5 @@
-# The settings record: the validated config of the experiment, kept beside its results, and the file
-# every other job reads the experiment from (common.smk: EXPERIMENT). common.smk refuses a config
-# whose name has a record with other settings (isoexec.settings).
+# The settings record: the validated config of the experiment, kept beside its results. common.smk
+# refuses a config whose name has a record with other settings (isoexec.settings).
 
 
 rule experiment_settings:

@@ -8,8 +8,6 @@
 
 rule skyrl_config:
     """SkyRL's overrides for one mode, rendered from the experiment and validated by SkyRL."""
-    input:
-        experiment=EXPERIMENT,
     output:
         f"{RES}/skyrl/{{mode}}.skyrl.yaml",
     log:
@@ -19,7 +17,7 @@ rule skyrl_config:
     params:
         settings=settings_digest("kernels", "rl", "engine", "skyrl"),
     shell:
-        "isoexec rl skyrl-config --config {input.experiment} --mode {wildcards.mode} --out {output} > {log} 2>&1"
+        'isoexec rl skyrl-config --config "$ISOEXEC_EXPERIMENT" --mode {wildcards.mode} --out {output} > {log} 2>&1'
 
 
 rule skyrl_run:
