@@ -8,6 +8,7 @@ Each layer owns one section: ``model`` (architecture, Hugging Face ``Qwen3NextCo
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Literal
 
@@ -197,7 +198,8 @@ class TaskSection(_Section):
 
 
 class SFTSection(_Section):
-    steps: NonNegativeInt = 200
+    steps: PositiveInt = Field(200, description="at most this many SFT steps (at least one: the metrics are measured "
+                               "on the trained checkpoint)")
     batch_size: PositiveInt = 32
     lr: PositiveFloat = 3e-3
     target_accuracy: tuple[float, float] = Field(
@@ -219,7 +221,7 @@ class RLSection(_Section):
     driver: Literal["skyrl", "loop"] = Field(
         "skyrl", description="skyrl: SkyRL's RayPPOTrainer (Ray started locally; isoexec.rl.skyrl); loop: the "
         "in-process loop (isoexec.rl.loop; hf / unified trainers, no dynamic sampling)")
-    steps: NonNegativeInt = 20
+    steps: PositiveInt = Field(20, description="RL steps per run (at least one: every mode x seed is a run)")
     seeds: list[NonNegativeInt] = Field([0, 1], min_length=1)
     modes: list[Literal["native", "isoexec"]] = Field(["native", "isoexec"], min_length=1)
     prompts_per_step: PositiveInt = 8
@@ -361,8 +363,10 @@ class EngineSection(_Section):
 class SkyRLSection(_Section):
     """A GPU-node run through SkyRL's own entry point (``isoexec rl skyrl-launch``; isoexec.rl.skyrl.render).
 
-    SkyRL's Megatron policy worker trains, SkyRL's vLLM servers generate (isoexec mode: with the
-    isoexec plugin's architecture); the ``rl`` section gives the algorithm, this one the cluster.
+    SkyRL's vLLM servers generate. The native arm trains with SkyRL's stock Megatron worker at
+    ``megatron_tp`` x ``megatron_ep`` on ``num_gpus`` GPUs, with ``inference_engines`` x ``inference_tp``
+    GPUs of servers; the isoexec arm trains with isoexec's policy worker at the ``trainer`` section's
+    layout, one isoexec server per trainer GPU. The ``rl`` section gives the algorithm.
     """
 
     model_path: str = Field(description="Hugging Face id or directory of the policy checkpoint")
@@ -370,10 +374,10 @@ class SkyRLSection(_Section):
     env_class: str = Field("aime", description="skyrl-gym env scoring the responses (aime: the DAPO-Math verifier)")
     num_gpus: PositiveInt = 8
     colocate: bool = Field(True, description="trainer and vLLM servers share the GPUs (SkyRL colocate_all)")
-    megatron_tp: PositiveInt = 1
-    megatron_ep: PositiveInt = 1
-    inference_engines: PositiveInt = 1
-    inference_tp: PositiveInt = 8
+    megatron_tp: PositiveInt = Field(1, description="native arm: SkyRL's Megatron tensor-parallel degree")
+    megatron_ep: PositiveInt = Field(1, description="native arm: SkyRL's Megatron expert-parallel degree")
+    inference_engines: PositiveInt = Field(1, description="native arm: vLLM servers")
+    inference_tp: PositiveInt = Field(8, description="native arm: tensor-parallel degree of each vLLM server")
     max_prompt_length: PositiveInt = 2048
     micro_batch_size: PositiveInt = 1
     gpu_memory_utilization: PositiveFloat = 0.6
@@ -475,16 +479,30 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
+    """``json.load`` hook refusing a key given twice in one object (JSON would keep the last silently)."""
+    keys = [k for k, _ in pairs]
+    twice = sorted({k for k in keys if keys.count(k) > 1})
+    if twice:
+        raise ValueError(f"duplicate key {twice[0]!r}")
+    return dict(pairs)
+
+
 def load_config(path: str | Path) -> ExperimentConfig:
-    """Load and validate an experiment YAML.
+    """Load and validate an experiment YAML, or a settings record ``results/<exp>/experiment.json``
+    (:mod:`isoexec.settings`; a ``.json`` file is read as JSON): a run can be repeated from its record.
 
     Raises:
-        FileNotFoundError: the file does not exist.
-        ValueError: the YAML is malformed, a key is duplicated or unknown, a value has a wrong type or
-            is out of range, or sections contradict each other; the message names the file and every
-            offending key.
+        FileNotFoundError: the file does not exist (the message lists the YAML files of its folder).
+        ValueError: the path is a folder, the YAML (JSON) is malformed, a key is duplicated or unknown,
+            a value has a wrong type or is out of range, or sections contradict each other; the message
+            names the file and every offending key.
     """
     path = Path(path)
+    if path.is_dir():
+        there = sorted(p.name for p in path.glob("*.yaml"))
+        raise ValueError(f"experiment config {str(path)!r} is a folder; pass one YAML file"
+                         + (f", e.g. {path / there[0]} ({path}/ holds {', '.join(there)})" if there else ""))
     if not path.is_file():
         folder = path.parent
         there = sorted(p.name for p in folder.glob("*.yaml")) if folder.is_dir() else []
@@ -492,9 +510,14 @@ def load_config(path: str | Path) -> ExperimentConfig:
         raise FileNotFoundError(f"experiment config {str(path)!r} does not exist{hint}")
     try:
         with path.open() as f:  # a stream: YAML errors name the file
-            raw = yaml.load(f, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+            if path.suffix == ".json":
+                raw = json.load(f, object_pairs_hook=_unique_keys)
+            else:
+                raw = yaml.load(f, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as e:
         raise ValueError(f"{path}: not valid YAML: {e}") from None
+    except ValueError as e:  # json.JSONDecodeError is one
+        raise ValueError(f"{path}: not valid JSON: {e}") from None
     if not isinstance(raw, dict):
         raise ValueError(f"{path}: expected a mapping at top level, got {type(raw).__name__}")
     try:

@@ -28,6 +28,8 @@ from pathlib import Path
 import torch
 import typer
 
+from isoexec.settings import CONFIG_OPTION
+
 
 def _cases(model, seqs, decode_seqs: int, decode_steps: int):
     vocab = model.config.vocab_size
@@ -127,7 +129,7 @@ def region_breakdown(models: dict, cases: dict, repeats: int) -> list[dict]:
 
 
 def bench_command(
-    config: str = typer.Option("experiments/cpu-tiny.yaml", help="experiment YAML (its model and kernels)"),
+    config: Path = CONFIG_OPTION,
     repeats: int = typer.Option(5, min=1, help="timed repeats per case and kernel set (the median is reported)"),
     batch: int = typer.Option(8, min=1, help="sequences per trainer / prefill batch"),
     seq_len: int = typer.Option(128, min=1, help="tokens per sequence"),
@@ -158,7 +160,7 @@ def bench_command(
             raise ValueError(f"{config}: device: cuda needs a visible CUDA device; torch {torch.__version__} sees none")
         from isoexec.bench.gpu import gpu_bench_command
 
-        return gpu_bench_command(config, str(out), "bench")
+        return gpu_bench_command(str(config), str(out), "bench")
     if what not in ("all", "cp-step"):
         raise ValueError(f"--what {what!r}; allowed on CPU: 'all', 'cp-step'")
     if what == "cp-step":

@@ -28,6 +28,7 @@ import typer
 
 from isoexec.config import ExperimentConfig, load_config
 from isoexec.engines.base import Completion
+from isoexec.settings import CONFIG_OPTION
 
 MAX_TOKENS = 32
 """Response length per request."""
@@ -90,7 +91,7 @@ def score(cfg: ExperimentConfig, mode: str, checkpoint: Path, sequences: list[li
 
 def compare(mode: str, completions: list[list[Completion]], prompts: list[list[int]], trainer: Any = None,
             rows: list[torch.Tensor] | None = None) -> dict[str, Any]:
-    """Metrics of DESIGN section 4 for engine vs trainer logprobs of the sampled tokens.
+    """Metrics of docs/design.md (Metrics) for engine vs trainer logprobs of the sampled tokens.
 
     Args:
         completions: per prompt its samples (as :meth:`RolloutEngine.generate` returns them).
@@ -200,10 +201,12 @@ def default_checkpoint(cfg: ExperimentConfig) -> Path:
 
 
 def rollout_check_command(
-    config: str = typer.Option(..., "--config", help="experiment YAML"),
+    config: Path = CONFIG_OPTION,
     checkpoint: str = typer.Option(None, "--checkpoint", help="HF checkpoint dir (default: runs/<exp>/model/init, else a random init)"),
     modes: str = typer.Option("native,isoexec", "--modes", help="comma-separated modes: native, isoexec"),
     model_factory: str = typer.Option(None, "--model-factory", help="isoexec: module:Class with from_pretrained (default isoexec.model:UnifiedModel)"),
+    out: Path = typer.Option(None, "--out", metavar="FILE", help="the JSON file to write (default: "
+                             "runs/<exp>/rollout_check.json, not committed; reproduce writes results/<exp>/rollout_check.json)"),
 ) -> None:
     """Engine (vLLM) vs trainer logprobs on sampled rollouts, per mode; one JSON line per mode."""
     from .vllm_engine import vllm_env_defaults
@@ -223,6 +226,6 @@ def rollout_check_command(
     from isoexec.provenance import provenance
 
     atomic_write_json(
-        cfg.out_dir / "rollout_check.json",
+        out or Path("runs") / cfg.name / "rollout_check.json",
         {"config": str(config), "checkpoint": str(ckpt), "results": results, "provenance": provenance()},
     )

@@ -353,7 +353,7 @@ class RolloutEngine:
 
 
 def vllm_env_defaults() -> None:
-    """Set the CPU defaults from ENVIRONMENT.md unless already set (offline, 1 GiB KV, in-process)."""
+    """Set the CPU stack's defaults unless already set (offline, 1 GiB KV, in-process)."""
     for k, v in {
         "HF_HUB_OFFLINE": "1",
         "HF_DATASETS_OFFLINE": "1",

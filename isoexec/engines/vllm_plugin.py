@@ -33,7 +33,7 @@ budget (``num_gpu_blocks_override``), which lets the tests force preemption.
 
 **Logprobs.** ``forward`` returns, as its "hidden states", the full-vocabulary logprob rows
 ``[num_tokens, V]`` float32 from ``engine_step`` (policy temperature from the contract already
-applied, the one logprob function of DESIGN section 3); ``compute_logits`` is the identity. The
+applied, the one logprob function of docs/design.md, The kernels); ``compute_logits`` is the identity. The
 engine runs with ``logprobs_mode="raw_logits"``: the sampler then returns the rows it was given
 (``logits.clone()`` of float32) and prompt logprobs use ``logits.to(float32)`` (a no-op), so both
 the sampled-token logprobs and prompt logprobs are our bits exactly. Sampling uses temperature

@@ -1,4 +1,4 @@
-"""The unified model (DESIGN §3): one definition for trainer and engine, the four cases of one forward.
+"""The unified model (docs/design.md): one definition for trainer and engine, the four cases of one forward.
 
 A batch is a list of sequence pieces, each with its absolute start position and (engine cases) a
 :class:`~isoexec.model.cache.SequenceCache`. ``trainer_logprobs`` (``trainer_fwd`` / ``trainer_score``)

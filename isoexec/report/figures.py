@@ -1,4 +1,4 @@
-"""Figures of the paired native-vs-IsoExec RL runs (DESIGN.md §5.2), as PNG and PDF.
+"""Figures of the paired native-vs-IsoExec RL runs (docs/design.md, The experiments), as PNG and PDF.
 
 - ``figures/logprob_diff``: per-step mean and max |trainer - rollout| logprob, per mode, mean over
   seeds with a min-max band. The y axis is logarithmic, so exact zeros cannot sit on it: they are

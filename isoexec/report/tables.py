@@ -1,4 +1,4 @@
-"""Summary tables of the paired native-vs-IsoExec RL runs (DESIGN.md §4, §5.2).
+"""Summary tables of the paired native-vs-IsoExec RL runs (docs/design.md, Metrics and The experiments).
 
 ``summary`` has one row per mode, aggregated over every seed and step:
 
@@ -39,7 +39,7 @@ Files (under ``<exp_dir>/tables/``, written atomically): ``summary.csv`` (full p
 ``summary.provenance.json`` beside it, ``summary.md`` and ``summary.tex`` (formatted like the blog,
 provenance in a comment header), the same for ``per_seed`` and for ``main`` (the compact table a paper
 takes: :data:`MAIN_HEADERS`, readable headers with units), and ``comparison.md``: the summary in the
-layout of the published table (DESIGN.md §1) with the published values beside it.
+layout of the published table (docs/design.md, The problem) with the published values beside it.
 """
 
 from __future__ import annotations
@@ -366,7 +366,7 @@ def write_tables(
     return files
 
 
-# The published reference (DESIGN.md §1: vLLM blog, Qwen3.5-35B-A3B, 8xH100, 50 steps).
+# The published reference (docs/design.md, The problem: vLLM blog, Qwen3.5-35B-A3B, 8xH100, 50 steps).
 PUBLISHED = {
     "native": {
         "logprob_abs_diff_mean": 1.648e-2,

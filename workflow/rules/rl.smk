@@ -1,4 +1,4 @@
-# Paired RL runs (DESIGN.md §5.2): one job per mode x seed, all from the same SFT checkpoint.
+# Paired RL runs (docs/design.md, The experiments): one job per mode x seed, all from the same SFT checkpoint.
 # Each job takes every core, so timed runs never share the machine (the overheads stay honest).
 
 
@@ -17,11 +17,10 @@ rule rl_train:
         "../envs/isoexec.yaml"
     threads: ALL_CORES
     params:
-        config=CONFIGFILE,
         out=lambda wildcards, output: os.path.dirname(output.metrics),
         settings=settings_digest(
             "device", "model", "kernels", "task", "rl", "trainer", "engine"
         ),
     shell:
-        "isoexec rl train --config {params.config} --mode {wildcards.mode} --seed {wildcards.seed}"
+        'isoexec rl train --config "$ISOEXEC_EXPERIMENT" --mode {wildcards.mode} --seed {wildcards.seed}'
         " --init {input.init} --out {params.out} > {log} 2>&1"

@@ -1,6 +1,6 @@
 """Chunkwise-parallel recurrent (CPR) Gated DeltaNet: one set of bits for trainer, prefill and decode.
 
-Algorithm (the IsoExec design brief, DESIGN §3), chunk size C from the contract:
+Algorithm (docs/design.md, CPR Gated DeltaNet), chunk size C from the contract:
 
 1. **State pass** (fp32 chain): the state entering chunk c+1 is ``F(S_c, chunk c)``, computed in
    the chunkwise WY/UT form (Yang et al., "Parallelizing Linear Transformers with the Delta Rule

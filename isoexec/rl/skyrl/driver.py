@@ -14,7 +14,7 @@ Pieces, all plugged into SkyRL's extension points (no SkyRL file is edited):
 - ``SkyRLGymGenerator`` (batched, single turn) with the task registered in skyrl-gym
   (:mod:`isoexec.rl.skyrl.env`); SkyRL's GRPO estimator and ``regular`` (DAPO clip-higher) loss
   chosen by config (:mod:`isoexec.rl.skyrl.render`).
-- :class:`IsoExecPPOTrainer`: ``RayPPOTrainer`` that also measures DESIGN section 4's metrics at the
+- :class:`IsoExecPPOTrainer`: ``RayPPOTrainer`` that also measures the metrics of docs/design.md (Metrics) at the
   points where SkyRL has the data (rewards after generation, rollout vs pre-update trainer logprobs
   after SkyRL's policy forward), and :class:`MetricsCallback` (a SkyRL ``TrainingCallback``) writing
   one ``metrics.jsonl`` row per step under the plain loop's names (:mod:`isoexec.rl.metrics`).

@@ -9,7 +9,7 @@ calls into a :class:`~isoexec.kernels.KernelSet`, with the same operation order 
   kernel on the rank's output features; its GEMM computes each column by its own FMA chain, so a column
   has the same bits whichever shard (and position in it) holds it. Inputs gathered over the sequence (SP) or copied (TP) with
   Megatron's mappings; no arithmetic in the collective.
-* :class:`IsoRowParallelLinear` (``attn.out_proj``, ``gdn.out_proj``): pik (DESIGN §3): the rank's
+* :class:`IsoRowParallelLinear` (``attn.out_proj``, ``gdn.out_proj``): pik (docs/design.md, Parallel invariance (pik)): the rank's
   subtree of the region's ``leaves`` fixed leaves over the global K, then the upper tree levels after
   an all-gather (or the pik reduce-scatter under SP).
 * :class:`IsoCoreAttention`, :class:`IsoSelfAttention`: RoPE, our blockwise attention per sequence,
