@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 
+import numpy as np
 import pytest
 import torch
 
@@ -23,7 +24,7 @@ from isoexec.engines.weight_sync import (
     tensor_specs,
     verify_checksums,
 )
-from isoexec.model.inputs import InputError, check_token_ids
+from isoexec.model.inputs import InputError, check_generate_args, check_token_ids
 
 # (SamplingParams keyword, a value that changes the sampled distribution or forces tokens)
 REFUSED = [
@@ -87,6 +88,31 @@ def test_token_id_check_names_the_position_in_every_dimension():
         check_token_ids([7, -3], 64, "prompt 2")
     with pytest.raises(InputError, match="must be integers, got dtype torch.bool"):
         check_token_ids(torch.tensor([True, False]), 64)
+
+
+NOT_INTEGERS = [True, False, 1.0, "7", None, np.bool_(True), np.float32(3)]
+
+
+@pytest.mark.parametrize("bad", NOT_INTEGERS, ids=repr)
+def test_token_ids_that_are_not_integers_are_refused_not_read_as_integers(bad):
+    """A Python True used to pass as id 1 (torch.as_tensor([True, 3]) is int64); now every id that is not
+    an int or a numpy integer is refused, named with its type and position, in flat and nested lists."""
+    check_token_ids([3, np.int64(4), 5], 64)  # positive control: Python and numpy integers
+    check_token_ids(np.array([[1, 2]], dtype=np.int32), 64)
+    name = type(bad).__name__ if type(bad).__module__ == "builtins" else f"numpy.{type(bad).__name__}"
+    with pytest.raises(InputError, match=rf"^prompt 0: token id .* at position 1 is a {re.escape(name)}, not an integer$"):
+        check_token_ids([3, bad, 5], 64, "prompt 0")
+    with pytest.raises(InputError, match=r"at position \(1, 0\) is a "):
+        check_token_ids([[3, 4], [bad, 5]], 64)
+    with pytest.raises(InputError, match="not an integer"):
+        check_generate_args([[3, bad]], 1, 1, None)  # the type check runs without a vocabulary too
+
+
+def test_token_id_arrays_and_strings_of_another_kind_are_refused():
+    with pytest.raises(InputError, match=r"token id np.True_ at position 0 is a numpy.bool"):
+        check_token_ids(np.array([True, False]), 64)
+    with pytest.raises(InputError, match=r"token ids must be a sequence of integers, got str '12'"):
+        check_token_ids("12", 64)
 
 
 @pytest.mark.parametrize("args, match", [
