@@ -19,11 +19,11 @@ from isoexec.config import ModelSection
 from isoexec.engines.weight_sync import (
     WeightSyncError,
     check_state_covers,
-    checkpoint_specs,
     state_checksums,
     tensor_specs,
     verify_checksums,
 )
+from isoexec.model.hf import checkpoint_specs
 from isoexec.model.inputs import InputError, check_generate_args, check_token_ids
 
 # (SamplingParams keyword, a value that changes the sampled distribution or forces tokens)
@@ -179,3 +179,87 @@ def test_native_engine_checkpoint_check_refuses_a_tied_checkpoint_without_lm_hea
     assert "lm_head.weight" not in checkpoint_specs(tied)
     with pytest.raises(ValueError, match="tie_word_embeddings=true and no lm_head.weight"):
         check_native_checkpoint(tied)
+
+
+# --------------------------------------------------------------------------- checkpoints that contradict their config
+def _rewritten(src, dst, change, **config):
+    """A copy of checkpoint ``src`` at ``dst`` with ``change(state)`` applied and config fields replaced."""
+    from isoexec.model.hf import read_config, read_weights, write_checkpoint
+
+    cfg = read_config(src)
+    for k, v in config.items():
+        setattr(cfg, k, v)
+    state = read_weights(src)
+    change(state)
+    write_checkpoint(dst, cfg, state)
+    return dst
+
+
+@pytest.fixture(scope="module")
+def tied_ckpt(tiny_ckpt, tmp_path_factory):
+    from isoexec.model.hf import build_checkpoint
+
+    _, small = tiny_ckpt
+    return build_checkpoint(tmp_path_factory.mktemp("t") / "tied", small.model_copy(update={"tie_word_embeddings": True}),
+                            vocab_size=64)
+
+
+CONTRADICTIONS = {
+    "tied_head_differs": (True, lambda s: s.update({"lm_head.weight": s["model.embed_tokens.weight"] + 1}),
+                          r"tie_word_embeddings=true but the stored lm_head.weight differs from model.embed_tokens.weight"),
+    "missing": (False, lambda s: s.pop("model.layers.0.mlp.gate.weight"), r"1 missing: \['model.layers.0.mlp.gate.weight'\]"),
+    "extra": (False, lambda s: s.update({"model.layers.9.mlp.gate.weight": s["model.layers.0.mlp.gate.weight"]}),
+              r"1 not implied by the config: \['model.layers.9.mlp.gate.weight'\]"),
+    "shape": (False, lambda s: s.update({"model.norm.weight": torch.ones(3, dtype=torch.bfloat16)}),
+              r"1 with another shape than the config implies: \['model.norm.weight \[3\] != \[64\]'\]"),
+    "dtype": (False, lambda s: s.update({"model.norm.weight": s["model.norm.weight"].float()}),
+              r"1 in another dtype than the config's torch.bfloat16: \['model.norm.weight torch.float32'\]"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(CONTRADICTIONS))
+def test_a_checkpoint_whose_tensors_contradict_its_config_is_refused_by_every_loader(kind, tiny_ckpt, tied_ckpt,
+                                                                                    tmp_path):
+    """The reported case: tie_word_embeddings=true with a stored lm_head.weight that differs from the embedding
+    loaded on both sides without a word, the trainer's strict load keeping the head in the tied tensor and
+    vLLM's load the embedding (rows up to 1.4 nats apart until the first sync)."""
+    from isoexec.model import UnifiedModel
+    from isoexec.model.hf import CheckpointError, check_checkpoint
+    from isoexec.trainer.hf_policy import HFPolicy
+
+    tied, change, match = CONTRADICTIONS[kind]
+    src = tied_ckpt if tied else tiny_ckpt[0]
+    check_checkpoint(src)  # positive control
+    bad = _rewritten(src, tmp_path / kind, change)
+    for load in (check_checkpoint, UnifiedModel.from_pretrained, HFPolicy.from_pretrained):
+        with pytest.raises(CheckpointError, match=f"checkpoint refused, its tensors contradict its config .*{match}"):
+            load(bad)
+
+
+def test_a_tied_checkpoint_may_store_a_head_equal_to_its_embedding(tied_ckpt, tmp_path):
+    from isoexec.model.hf import check_checkpoint
+
+    same = _rewritten(tied_ckpt, tmp_path / "same", lambda s: s.update({"lm_head.weight": s["model.embed_tokens.weight"]}))
+    check_checkpoint(same)
+
+
+def test_a_tied_checkpoint_with_a_differing_head_loses_its_embedding_without_the_check(tied_ckpt, tmp_path, monkeypatch):
+    """Negative control of the refusal: without it the strict load copies the stored head into the tied tensor."""
+    import isoexec.model.hf as hf
+    from isoexec.model import UnifiedModel
+
+    emb = hf.read_weights(tied_ckpt)["model.embed_tokens.weight"]
+    bad = _rewritten(tied_ckpt, tmp_path / "bad", lambda s: s.update({"lm_head.weight": emb + 1}))
+    monkeypatch.setattr(hf, "check_checkpoint", lambda path: None)
+    m = UnifiedModel.from_pretrained(bad)
+    assert torch.equal(m.model.embed_tokens.weight, emb + 1) and not torch.equal(m.model.embed_tokens.weight, emb)
+
+
+def test_the_megatron_trainer_refuses_such_a_checkpoint_before_building(tiny_ckpt, tmp_path):
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed")
+    from isoexec.model.hf import CheckpointError
+    from isoexec.trainer.megatron.trainer import MegatronTrainer
+
+    bad = _rewritten(tiny_ckpt[0], tmp_path / "bad", CONTRADICTIONS["missing"][1])
+    with pytest.raises(CheckpointError, match="1 missing"):
+        MegatronTrainer.from_pretrained(bad, layout=None)

@@ -220,7 +220,7 @@ def check_native_checkpoint(path: str | Path) -> None:
     Raises:
         ValueError: ``tie_word_embeddings`` is true and the checkpoint has no ``lm_head.weight``.
     """
-    from .weight_sync import checkpoint_specs
+    from isoexec.model.hf import checkpoint_specs
 
     path = Path(path)
     cfg = json.loads((path / "config.json").read_text())

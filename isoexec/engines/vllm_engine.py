@@ -99,6 +99,8 @@ class RolloutEngine:
     Raises:
         isoexec.contract.ClaimViolation: isoexec mode, an engine setting the contract does not cover
             (e.g. ``enable_prefix_caching=True``), raised at engine start.
+        isoexec.model.hf.CheckpointError: a checkpoint whose tensors contradict its config (both
+            modes, before vLLM starts).
         ValueError: native mode, a checkpoint vLLM's built-in model would load wrongly (tied
             embeddings without ``lm_head.weight``).
 
@@ -150,10 +152,13 @@ class RolloutEngine:
         for k in ("gpu_memory_utilization", "kv_cache_memory_bytes", "gdn_prefill_backend"):
             if getattr(engine, k) is not None:
                 kw[k] = getattr(engine, k)
+        from isoexec.model.hf import check_checkpoint
+
         from .requests import GUARD, RENDERER_MODE, check_native_checkpoint
         from .vllm_compat import ENGINE_ENV, serve_at_one_thread
         from .vllm_plugin import register
 
+        check_checkpoint(self.checkpoint)  # before vLLM starts, in both modes
         register()  # in-process; worker subprocesses get it from the entry point
         serve_at_one_thread()  # before the worker exists: no OpenMP spin-wait in-process
         kw["tokenizer_mode"] = RENDERER_MODE  # prompt token ids range-checked per request (both modes)

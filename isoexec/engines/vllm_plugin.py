@@ -392,7 +392,9 @@ class IsoExecWorkerExtension:
         """
         from safetensors.torch import load as st_load
 
-        from .weight_sync import check_state_covers, checkpoint_specs, state_checksums
+        from isoexec.model.hf import checkpoint_specs
+
+        from .weight_sync import check_state_covers, state_checksums
 
         state = st_load(bytes(payload))
         m = self._isoexec_model()

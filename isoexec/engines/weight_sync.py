@@ -10,20 +10,12 @@ every Hugging Face parameter name must equal the trainer's (:func:`verify_checks
 from __future__ import annotations
 
 import hashlib
-from pathlib import Path
 from typing import Iterable, Mapping
 
 import torch
 
 TensorSpec = tuple[torch.dtype, tuple[int, ...]]
 """``(dtype, shape)`` of one tensor."""
-
-_SAFETENSORS_DTYPES = {
-    "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32,
-    "I64": torch.int64, "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32,
-    "F64": torch.float64, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-}
-
 
 def tensor_checksum(t: torch.Tensor) -> str:
     """``sha256`` over ``dtype``, ``shape`` and the raw bytes of ``t`` (C-contiguous, on CPU).
@@ -56,29 +48,6 @@ def tensor_specs(named: Mapping[str, torch.Tensor]) -> dict[str, TensorSpec]:
     return {k: (v.dtype, tuple(v.shape)) for k, v in named.items()}
 
 
-def checkpoint_specs(path: str | Path) -> dict[str, TensorSpec]:
-    """``name -> (dtype, shape)`` of a checkpoint folder's tensors, in the on-disk per-expert names of
-    ``isoexec.model.hf.HF_NAMES``, read from the ``*.safetensors`` headers only.
-
-    Raises:
-        FileNotFoundError: the folder holds no ``.safetensors`` file.
-    """
-    from safetensors import safe_open
-
-    from isoexec.model.hf import HF_NAMES
-
-    files = sorted(Path(path).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{path}: no .safetensors weights")
-    meta = {}
-    for f in files:
-        with safe_open(str(f), "pt") as h:
-            for k in h.keys():
-                sl = h.get_slice(k)
-                meta[k] = torch.empty(sl.get_shape(), dtype=_SAFETENSORS_DTYPES[sl.get_dtype()], device="meta")
-    return tensor_specs(HF_NAMES.apply(meta))
-
-
 def check_state_covers(state: Mapping[str, torch.Tensor], specs: Mapping[str, TensorSpec], *,
                        require_all: bool = True) -> None:
     """Refuse a state dict that is not exactly the engine's parameter set (call before moving any weight).
@@ -86,7 +55,7 @@ def check_state_covers(state: Mapping[str, torch.Tensor], specs: Mapping[str, Te
     Args:
         state: the tensors to sync, Hugging Face names.
         specs: the engine's parameters, ``name -> (dtype, shape)`` (:func:`tensor_specs`,
-            :func:`checkpoint_specs`).
+            ``isoexec.model.hf.checkpoint_specs``).
         require_all: an engine name missing from ``state`` is refused (default True).
 
     Raises:
