@@ -2,7 +2,8 @@
 the one error style of every command.
 
 Commands: `contract show|diff|verify` (isoexec.contract.cli), `gates` and `bench`
-(isoexec.model.gates, isoexec.bench), `rollout-check` (isoexec.engines.rollout_check),
+(isoexec.model.gates, isoexec.bench), `rollout-check` (isoexec.engines.rollout_check), `engine-options`
+(isoexec.engines.options: what isoexec mode refuses, as Markdown),
 `rl ...` (isoexec.rl.cli), `report ...` (isoexec.report.cli), `pik-check`
 (isoexec.kernels.collectives: TP-invariant row-parallel GEMM over gloo), `config` (isoexec.settings:
 the validated experiment config, recorded beside its results).
@@ -151,6 +152,7 @@ _COMMANDS = [
     ("isoexec.model.gates", "gates_command", "gates"),
     ("isoexec.bench.cpu", "bench_command", "bench"),
     ("isoexec.engines.rollout_check", "rollout_check_command", "rollout-check"),
+    ("isoexec.engines.options", "options_command", "engine-options"),
     ("isoexec.kernels.collectives.check", "pik_check_command", "pik-check"),
     ("isoexec.settings", "config_command", "config"),
 ]

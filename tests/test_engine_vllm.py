@@ -260,7 +260,7 @@ def test_isoexec_accepts_the_policy_sampling_settings_through_vllm_api(toy_engin
 def test_rollout_engine_generate_names_an_unsupported_keyword(toy_engine):
     from isoexec.engines.requests import RequestRefused
 
-    with pytest.raises(RequestRefused, match=r"does not take top_k=5 \(fixed at 0 \(off\)\)\. Accepted keywords: n, "):
+    with pytest.raises(RequestRefused, match=r"does not take top_k=5 \(fixed at 0 or -1\)\. Accepted keywords: n, "):
         toy_engine.generate(GOOD, top_k=5)
     with pytest.raises(RequestRefused, match=r"does not take colour='red' \(not a setting\)"):
         toy_engine.generate(GOOD, colour="red")
@@ -313,7 +313,8 @@ def test_isoexec_model_refuses_an_engine_without_the_per_request_checks(toy_engi
 
     s = engine_settings(toy_engine.llm.llm_engine.vllm_config)
     check_settings(toy_engine.contract, s)  # positive control: the engine as RolloutEngine builds it
-    with pytest.raises(ClaimViolation, match=r"logits_processors=\[\] must include 'isoexec.engines.requests:"):
+    with pytest.raises(ClaimViolation, match=r"logits_processors=\[\] is refused in isoexec mode \(allowed: "
+                                             r"\['isoexec.engines.requests:IsoExecRequestGuard'\]\)"):
         check_settings(toy_engine.contract, dict(s, logits_processors=[]))
     with pytest.raises(ClaimViolation, match="tokenizer_mode='hf'"):
         check_settings(toy_engine.contract, dict(s, tokenizer_mode="hf"))

@@ -194,3 +194,19 @@ def serve_at_one_thread() -> None:
 
     if not envs.VLLM_ENABLE_V1_MULTIPROCESSING:
         set_torch_threads_for_runtime()
+
+
+# ---------------------------------------------------------------------------------- engine options
+MISSING = object()
+"""What :func:`read_config_path` returns for a path the installed vLLM's config does not have."""
+
+
+def read_config_path(vllm_config: Any, path: str) -> Any:
+    """The value at a dotted attribute ``path`` of a ``VllmConfig`` (e.g. ``"cache_config.cache_dtype"``), or
+    :data:`MISSING` when this vLLM version has no such attribute. Where each engine option lands differs
+    by version (``enable_return_routed_experts``: ``model_config`` in 0.26, ``aux_output_config`` in 0.32);
+    ``isoexec.engines.options.ENGINE_OPTIONS`` lists the paths of both."""
+    try:
+        return _get(vllm_config, path)
+    except AttributeError:
+        return MISSING

@@ -154,7 +154,7 @@ class RolloutEngine:
                 kw[k] = getattr(engine, k)
         from isoexec.model.hf import check_checkpoint
 
-        from .requests import GUARD, RENDERER_MODE, check_native_checkpoint
+        from .requests import GUARD, NATIVE_GUARD, RENDERER_MODE, check_native_checkpoint
         from .vllm_compat import ENGINE_ENV, serve_at_one_thread
         from .vllm_plugin import register
 
@@ -174,6 +174,7 @@ class RolloutEngine:
             }
         else:
             check_native_checkpoint(self.checkpoint)
+            kw["logits_processors"] = [NATIVE_GUARD]  # fields a vLLM bug makes wrong in both modes
             kw["logprobs_mode"] = "processed_logprobs"
         self.llm = LLM(**kw)
         self.vocab_size = int(self.llm.llm_engine.model_config.get_vocab_size())
@@ -182,6 +183,9 @@ class RolloutEngine:
         if mode == "isoexec":
             from isoexec.contract import decode
 
+            if info["kind"] != "isoexec":
+                raise RuntimeError(f"isoexec mode: vLLM built {info['kind']!r} model, not the isoexec one "
+                                   "(an engine option made vLLM pick another model class)")
             self.contract = decode(info["contract"])
 
     # -- sampling ----------------------------------------------------------------------------

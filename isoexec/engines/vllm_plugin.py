@@ -106,7 +106,10 @@ def resolve(qualname: str) -> Any:
 
 
 def engine_settings(vllm_config: Any) -> dict[str, Any]:
-    """The engine settings that the contract's ``claims.engine`` may constrain, from a ``VllmConfig``."""
+    """The engine settings that the contract's ``claims.engine`` may constrain, and the value of every engine
+    option ``isoexec.engines.options`` refuses, from a ``VllmConfig``."""
+    from .options import engine_option_values
+
     sc, cc, pc, mc = (
         vllm_config.scheduler_config,
         vllm_config.cache_config,
@@ -131,6 +134,7 @@ def engine_settings(vllm_config: Any) -> dict[str, Any]:
                               for p in (mc.logits_processors or [])],
         "tokenizer_mode": str(mc.tokenizer_mode),
         "watermarking": getattr(vllm_config, "watermark_config", None) is not None,
+        **engine_option_values(vllm_config),  # every refused option of isoexec.engines.options, plain form
     }
 
 
@@ -138,36 +142,20 @@ def check_settings(contract: Any, settings: dict[str, Any]) -> None:
     """Refuse engine settings the isoexec model cannot honour, then check the contract's claims.
 
     Raises:
-        isoexec.contract.ClaimViolation: a setting contradicts the claims, or is one that the
-            row routing here cannot honour (prefix caching, another logprobs_mode, speculative
-            decoding, pipeline / data parallelism, a watermark), or the engine lacks the per-request
-            checks of ``isoexec.engines.requests`` (``logits_processors`` without its guard, another
-            ``tokenizer_mode`` than its renderer); the message names every such setting.
+        isoexec.contract.ClaimViolation: a setting contradicts the claims, or is an engine option that
+            ``isoexec.engines.options.ENGINE_OPTIONS`` refuses (prefix caching, another logprobs_mode,
+            quantization, another KV cache dtype, speculative decoding, pipeline / data / tensor
+            parallelism, a watermark, LoRA, sleep mode, vLLM's weight-transfer engine, ...), including an
+            engine without the per-request checks of ``isoexec.engines.requests`` (``logits_processors``
+            other than its guard, another ``tokenizer_mode`` than its renderer); the message names every
+            such setting, the allowed values and why.
     """
     from isoexec.contract import ClaimViolation, Violation, check_engine_settings, check_topology
 
-    from .requests import GUARD, RENDERER_MODE
+    from .options import engine_violations
 
-    v = []
-    own = {
-        "enable_prefix_caching": False,  # a cached prefix would start a request at position > 0
-        "logprobs_mode": REQUIRED_LOGPROBS_MODE,  # returned logprobs must be our rows, unprocessed
-        "speculative_decoding": False,
-        "pipeline_parallel_size": 1,
-        "data_parallel_size": 1,
-        "tokenizer_mode": RENDERER_MODE,  # the renderer range-checks every prompt's token ids
-        "watermarking": False,  # a watermark changes which token is sampled
-        "enforce_eager": True,  # a captured CUDA graph would replay the dummy forward (no runner, no caches)
-    }
-    if GUARD not in settings.get("logits_processors", []):  # the per-request sampling check
-        v.append(Violation("engine.logits_processors", f"engine setting logits_processors="
-                           f"{settings.get('logits_processors')!r} must include {GUARD!r} (isoexec mode checks "
-                           "every request's sampling settings)"))
-    for k, want in own.items():
-        if settings.get(k) != want:
-            v.append(
-                Violation(f"engine.{k}", f"engine setting {k}={settings.get(k)!r} is not supported by the isoexec vLLM model (requires {want!r})")
-            )
+    v = [Violation(f"engine.{k}", f"engine setting {k}={val!r} is refused in isoexec mode (allowed: "
+                   f"{opt.allowed_text()}): {opt.why}") for k, val, opt in engine_violations(settings)]
     try:
         check_engine_settings(contract, settings)
     except ClaimViolation as e:

@@ -258,7 +258,8 @@ def build_contract(config, kernels: KernelSet, dtype: torch.dtype, deployment: d
             "preemption": ("kv_cache", "gdn_state", "conv_state"),
         },
         tolerances={"logprob_abs_diff": 0.0} if kernels.name == "isoexec" else {},
-        engine={"enable_prefix_caching": False},
+        # what the engine runs with (isoexec.engines.options refuses other values at engine start)
+        engine={"enable_prefix_caching": False, "quantization": "none", "kv_cache_dtype": "auto"},
     )
     return ExecutionContract.build(model=model, cases=CASES, composition=comp, claims=claims,
                                    deployment=deployment or {"torch_num_threads": torch.get_num_threads()})
