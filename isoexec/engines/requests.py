@@ -155,8 +155,18 @@ class IsoExecRenderer(HfRenderer):
     """
 
     def validate_token_ids(self, token_ids: Sequence[int], *, parameter: str | None = None) -> None:
-        """Raises ``isoexec.model.inputs.InputError`` naming the first id outside ``[0, V)``, its position and V."""
+        """Refuse a prompt at admission: ids that are not integers or lie outside ``[0, V)``, or an engine of
+        this process that computes with weights changed since their last check
+        (``isoexec.engines.engine_weights.check_admission``).
+
+        Raises:
+            isoexec.model.inputs.InputError: naming the first bad id, its position and V.
+            isoexec.engines.weight_sync.WeightSyncError: the engine's weights changed outside the checked path.
+        """
+        from .engine_weights import check_admission
+
         check_token_ids(token_ids, self.model_config.get_vocab_size(), parameter or "prompt_token_ids")
+        check_admission(self.model_config)
 
     def _process_tokens(self, prompt: Any, **kw: Any) -> Any:
         """vLLM 0.26, which never calls :meth:`validate_token_ids`: check every token prompt here

@@ -172,8 +172,9 @@ def read_config(path: str | Path):
     return cfg
 
 
-def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
-    """All ``*.safetensors`` tensors of a checkpoint folder, in on-disk names (:data:`HF_NAMES`).
+def read_weights(path: str | Path, raw: bool = False) -> dict[str, torch.Tensor]:
+    """All ``*.safetensors`` tensors of a checkpoint folder, in on-disk names (:data:`HF_NAMES`), or with
+    ``raw`` the names as stored (what vLLM's loader reads).
 
     Raises:
         FileNotFoundError: the folder holds no ``.safetensors`` file.
@@ -186,7 +187,7 @@ def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
     sd: dict[str, torch.Tensor] = {}
     for f in files:
         sd.update(load_file(str(f)))
-    return HF_NAMES.apply(sd)
+    return sd if raw else HF_NAMES.apply(sd)
 
 
 TensorSpec = tuple[torch.dtype, tuple[int, ...]]
