@@ -16,12 +16,16 @@ prefilled in several chunks ("CPU Generator does not use offset"), so requests c
 :meth:`RolloutEngine.generate` reseeds the worker's global torch RNG instead (RPC), which makes a
 ``generate`` call reproducible for the same inputs and engine state.
 
-Weight sync (:meth:`RolloutEngine.sync_weights`): handshake first (``check_handshake`` of the
-engine's contract against the trainer's; ``ContractMismatch`` before any weight moves), then the
-worker RPC ``isoexec_update_weights`` (``LLM.collective_rpc``; works in-process and with worker
-subprocesses) copies the Hugging Face-named tensors in place and drops every per-request cache
-(KV, GDN, conv state); then ``reset_prefix_cache()``; then the per-tensor sha256 checksums
-returned by the worker are verified against the trainer's.
+Weights. At start the engine reports the checksums of the weights it holds (:attr:`RolloutEngine.load_checksums`,
+Hugging Face names), which a paired run compares with the trainer's before its first step
+(``weight_sync.check_weights_at_load``). Weight sync (:meth:`RolloutEngine.sync_weights`) is the one
+checked update path: handshake first (``check_handshake`` of the engine's contract against the
+trainer's; ``ContractMismatch`` before any weight moves), then the worker RPC ``isoexec_update_weights``
+(``LLM.collective_rpc``; works in-process and with worker subprocesses) copies the Hugging Face-named
+tensors in place (isoexec) or loads them through vLLM and checks what the forward reads (native), and
+drops every per-request cache (KV, GDN, conv state); then ``reset_prefix_cache()``; then the per-tensor
+sha256 checksums returned by the worker are verified against the trainer's. vLLM's own weight-update
+calls are refused on these engines (``isoexec.engines.engine_weights``).
 """
 
 from __future__ import annotations

