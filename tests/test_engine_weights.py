@@ -277,3 +277,16 @@ def test_sync_takes_a_list_of_pairs_and_names_duplicates_before_they_collapse(to
         toy_engine.sync_weights(["lm_head.weight"], toy_trainer.contract())
     with pytest.raises(WeightSyncError, match="lm_head.weight is a list, not a tensor"):
         toy_engine.sync_weights({"lm_head.weight": [1.0]}, toy_trainer.contract())
+
+
+# --------------------------------------------------------------------------- a model rebuilt past the worker
+def test_a_model_rebuilt_past_the_worker_is_refused_and_the_engine_keeps_serving(toy_engine, native_engine):
+    """The model runner's own load_model (past the refused RPC): a second isoexec model on the engine is
+    refused when it is built; vLLM 0.32 itself refuses to rebuild the native Qwen3-Next in place (its layers'
+    names are taken). Either way the engine keeps its model and its bits (a model vLLM did replace is refused
+    by identity before any generation: ``VerifiedWeights.check``)."""
+    for e, match in ((toy_engine, "a second model on a running engine"), (native_engine, "Duplicate layer name")):
+        before = _bits(e)
+        with pytest.raises(Exception, match=match):
+            e.llm.collective_rpc(lambda w: w.model_runner.load_model())
+        assert _same(_bits(e), before)

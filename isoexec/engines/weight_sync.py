@@ -140,8 +140,9 @@ def named_tensors(state: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.
             dup.append(name)
         out[name] = t
     if dup:
-        raise WeightSyncError(f"weight sync refused before any weight moved: {len(dup)} names appear more than "
-                              f"once: {sorted(set(dup))[:10]} (a state sends each tensor once)")
+        names = sorted(set(dup))
+        raise WeightSyncError(f"weight sync refused before any weight moved: {len(names)} names appear more than "
+                              f"once: {names[:10]} (a state sends each tensor once)")
     return out
 
 
