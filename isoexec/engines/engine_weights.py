@@ -8,9 +8,12 @@ engine from computing with anything else:
   for every prompt, in both modes): in-process, a tensor written in place or swapped since the record
   refuses the request, and the engine stays usable; ``RolloutEngine`` also asks the worker before every
   generation (``isoexec_check_weights``), which covers worker subprocesses;
-- at every forward (a forward pre-hook on vLLM's model): the same check, for requests admitted elsewhere
-  (a worker subprocess behind an online server). A forward that raises leaves an in-process vLLM 0.32
-  engine unable to finish later requests, which is why admission checks first;
+- at every forward (a forward pre-hook on vLLM's model) of an engine whose worker runs in another process
+  than its front end (an online server): the same check, for requests that the front end cannot check. A
+  forward that raises leaves an in-process vLLM 0.32 engine unable to finish later requests, which is why
+  an in-process engine checks at admission instead; its forwards only mark the record to be checked again
+  at the next admission (:meth:`VerifiedWeights.touch`, O(1)), so the admission check runs once per batch
+  of prompts, not per prompt;
 - at vLLM's weight-update entries: :func:`refuse_weight_rpcs` shadows them on the worker instance and
   :func:`refuse_native_load_weights` the native model's ``load_weights``, so they are refused naming the
   checked path before touching anything.
@@ -52,6 +55,11 @@ class VerifiedWeights:
         self.sentinel = WeightSentinel(tensors)
         self.valid = True
         self.loading = False  # inside the checked native update: vLLM's loader is let through
+        self.dirty = True  # a forward ran (or nothing was checked yet) since the last passing check
+
+    def touch(self) -> None:
+        """A forward ran: the next admission checks again (O(1); the in-process forward hook)."""
+        self.dirty = True
 
     def check(self, model: torch.nn.Module) -> None:
         """Raise unless ``model`` is the recorded one, the last update passed its check, and no watched tensor
@@ -71,6 +79,7 @@ class VerifiedWeights:
                                   "or checksum call); a checked update (RolloutEngine.sync_weights) must succeed "
                                   "before the engine computes again")
         changed = self.sentinel.changed()
+        self.dirty = bool(changed)
         if changed:
             self.valid = False
             raise WeightSyncError(f"{len(changed)} of the engine's tensors were written or replaced outside the "
@@ -98,7 +107,8 @@ def check_admission(model_config: Any) -> None:
     entry = _BY_CONFIG.get(id(model_config))
     if entry is not None and entry[0]() is model_config:
         verified, model = entry[1]()
-        verified.check(model)
+        if verified.dirty or not verified.valid:  # once per batch of admissions, not per prompt
+            verified.check(model)
 
 
 def refuse_weight_rpcs(worker: Any, names: tuple[str, ...]) -> None:

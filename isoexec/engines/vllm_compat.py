@@ -325,3 +325,11 @@ vLLM 0.26, ``LLM.update_weights`` / ``start_weight_update`` / ``finish_weight_up
 ``load_model`` (0.26 ``vllm/v1/worker/gpu_worker.py`` lines 424-446, 0.32 lines 587-631), ``reset_weights``
 (0.32 only: zeroes every parameter, line 380) and the weight-transfer engine's session (0.26 lines 1282-1370,
 0.32 lines 1484-1600). A name the installed version lacks is skipped."""
+
+
+def front_end_in_process() -> bool:
+    """True when the engine's front end (``LLM``, its renderer) runs in this worker's process:
+    ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` with one worker (``vllm/envs.py``; both versions)."""
+    from vllm import envs
+
+    return not envs.VLLM_ENABLE_V1_MULTIPROCESSING

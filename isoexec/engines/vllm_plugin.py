@@ -537,7 +537,7 @@ class IsoExecWorkerExtension:
         the tensor counters; on first use, guard admission, the model's forwards, vLLM's weight-update RPCs and
         (native) the model's ``load_weights``."""
         from . import engine_weights as ew
-        from .vllm_compat import WEIGHT_UPDATE_RPCS
+        from .vllm_compat import WEIGHT_UPDATE_RPCS, front_end_in_process
         from .weight_sync import state_checksums
 
         model = self.model_runner.get_model()
@@ -549,7 +549,10 @@ class IsoExecWorkerExtension:
         hf = state_checksums(dict(sorted(tensors.items())) if iso is not None else native_state)
         self._isoexec_weights = ew.VerifiedWeights(model, hf, hf if iso is not None else native_digest, tensors)
         if prev is None:
-            model.register_forward_pre_hook(lambda mod, args: self._isoexec_weights.check(mod))
+            if front_end_in_process():  # admission checks (engine_weights.check_admission); forwards only mark
+                model.register_forward_pre_hook(lambda mod, args: self._isoexec_weights.touch())
+            else:
+                model.register_forward_pre_hook(lambda mod, args: self._isoexec_weights.check(mod))
             ew.register(self.vllm_config.model_config,
                         lambda: (self._isoexec_weights, self.model_runner.get_model()))
             ew.refuse_weight_rpcs(self, WEIGHT_UPDATE_RPCS)
