@@ -159,7 +159,7 @@ def test_logprob_token_ids_is_refused_in_both_modes(toy_engine, native_engine):
 
     for engine, mode in ((toy_engine, "isoexec"), (native_engine, "native")):
         with pytest.raises(RequestRefused, match=rf"{mode} mode refuses this request: logprob_token_ids=\[0, 1, 2\] "
-                                                 r"\(allowed: None; vLLM 0.32's sampler applies it to the whole batch"):
+                                                 r"\(allowed: None; vLLM's sampler applies it to the whole batch"):
             engine.llm.generate([{"prompt_token_ids": PROMPTS[0]}],
                                 SamplingParams(max_tokens=2, logprob_token_ids=[0, 1, 2], detokenize=False),
                                 use_tqdm=False)

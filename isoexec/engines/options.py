@@ -117,10 +117,10 @@ SAMPLING_OPTIONS: dict[str, Option] = {
     "prompt_logprob_token_ids": _r("untested; vLLM 0.32 serves it on the V2 model runner only, and isoexec pins V1",
                                    None),
     "prompt_logprob_start": _r("untested (vLLM 0.32): prompt rows from a start position", None),
-    "logprob_token_ids": _r("vLLM 0.32's sampler applies it to the whole batch when one request sets it "
-                            "(vllm/v1/sample/sampler.py lines 112-122): its batch-mates' logprobs, full rows "
-                            "included, become [sampled, 0, 0, ...] with -inf; refused in both modes", None,
-                            native=True),
+    "logprob_token_ids": _r("vLLM's sampler applies it to the whole batch when one request sets it "
+                            "(vllm/v1/sample/sampler.py, 0.32 lines 112-122, 0.26 lines 111-121): its batch-mates' "
+                            "logprobs, full rows included, become [sampled, 0, 0, ...] with -inf; refused in both "
+                            "modes", None, native=True),
     "flat_logprobs": _s(f"{_REQUEST} (False) and {_ROLLOUT} (True, RolloutEngine's form)"),
     "detokenize": _i(_TEXT),
     "skip_special_tokens": _i(_TEXT),

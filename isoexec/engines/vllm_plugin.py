@@ -421,7 +421,9 @@ class IsoExecWorkerExtension:
                 self._isoexec_record(HF_NAMES.apply(raw), self._isoexec_verify_native(raw.items(), "at load"))
             else:
                 self._isoexec_record(None)
-        hf = self.isoexec_checksums()
+            hf = dict(sorted(self._isoexec_weights.hf.items()))
+        else:
+            hf = self.isoexec_checksums()
         if m is None:
             return {"kind": "native", "checksums": hf}
         from isoexec.contract import encode
