@@ -28,7 +28,6 @@ import typer
 
 from isoexec.config import ExperimentConfig, load_config
 from isoexec.engines.base import Completion
-from isoexec.engines.weight_sync import check_weights_at_load
 
 MAX_TOKENS = 32
 """Response length per request."""
@@ -167,6 +166,7 @@ def run_mode(
         isoexec.engines.weight_sync.WeightSyncError: the engine and the trainer loaded different weights.
     """
     from .vllm_engine import RolloutEngine
+    from .weight_sync import check_weights_at_load
 
     e = cfg.engine
     t0 = time.perf_counter()
