@@ -295,7 +295,10 @@ def test_recorded_weights_refuse_another_model_a_failed_check_and_a_write():
         m.weight.mul_(2)
     with pytest.raises(WeightSyncError, match=r"1 of the engine's tensors were written or replaced .*\['weight'\]"):
         w.check(m)
-    with pytest.raises(WeightSyncError, match="failed their last check"):
+    with pytest.raises(WeightSyncError, match="1 tensors were written outside the checked weight path; a checked "):
+        w.check(m)  # refused until a checked update records new weights
+    w.invalidate("the engine slept")
+    with pytest.raises(WeightSyncError, match="^the engine slept; a checked update"):
         w.check(m)
 
 

@@ -22,6 +22,7 @@ for _k, _v in {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABL
 
 from isoexec.engines import options  # noqa: E402
 from isoexec.engines.rollout_check import trainer_rows  # noqa: E402
+from isoexec.engines.vllm_plugin import IsoExecWorkerExtension  # noqa: E402
 from tests.engine_fixtures import TOY, ckpt, engine_section, native_engine, toy_engine, toy_trainer  # noqa: E402,F401 (fixtures)
 
 ENGINE = engine_section()
@@ -117,6 +118,21 @@ def test_an_isoexec_engine_with_another_quantization_or_kv_cache_dtype_is_refuse
             enable_prefix_caching=False, logprobs_mode="raw_logits", logits_processors=[GUARD],
             tokenizer_mode=RENDERER_MODE, worker_extension_cls=EXTENSION, max_logprobs=-1,
             hf_overrides={"architectures": [ARCH], "isoexec_model_factory": TOY}, **extra)
+
+
+class ServerExtension(IsoExecWorkerExtension):
+    """A framework's worker extension mixing in isoexec's, as SkyRL's servers do."""
+
+
+def test_a_worker_extension_that_extends_isoexecs_is_accepted_and_another_is_refused(toy_engine):
+    from isoexec.contract import ClaimViolation
+    from isoexec.engines.vllm_plugin import check_settings, engine_settings
+
+    s = engine_settings(toy_engine.llm.llm_engine.vllm_config)
+    check_settings(toy_engine.contract, dict(s, worker_extension_cls=f"{__name__}.ServerExtension"))
+    with pytest.raises(ClaimViolation, match=r"worker_extension_cls='vllm.Other' is refused in isoexec mode \(allowed: "
+                                             r"'isoexec.engines.vllm_plugin.IsoExecWorkerExtension' or a subclass\)"):
+        check_settings(toy_engine.contract, dict(s, worker_extension_cls="vllm.Other"))
 
 
 def test_the_contract_records_what_the_engine_runs_with(ckpt):

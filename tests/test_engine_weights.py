@@ -132,7 +132,7 @@ def test_a_broken_native_repack_is_refused_at_the_sync(native_engine, ckpt, monk
     with pytest.raises(WeightSyncError, match=r"native engine after the weight sync: what the forward reads differs "
                                               r"from vLLM's own fresh load .*mlp\.experts\.routed_experts\.w(13|2)_weight"):
         native_engine.sync_weights(weights, None)
-    with pytest.raises(WeightSyncError, match="failed their last check"):
+    with pytest.raises(WeightSyncError, match="the engine's last weight update failed its check; a checked update"):
         native_engine.generate(PROMPTS, max_tokens=2)
     monkeypatch.undo()
     native_engine.sync_weights(weights, None)
@@ -218,7 +218,7 @@ def test_a_write_past_every_door_stops_the_engine_until_a_checked_sync(toy_engin
     with pytest.raises(WeightSyncError, match=r"1 of the engine's tensors were written or replaced outside the "
                                               r"checked weight path .*\['lm_head.weight'\]"):
         toy_engine.generate(PROMPTS, max_tokens=2)
-    with pytest.raises(Exception, match="failed their last check|written or replaced"):
+    with pytest.raises(Exception, match="1 tensors were written outside the checked weight path; a checked update"):
         toy_engine.llm.generate([{"prompt_token_ids": PROMPTS[0]}], SamplingParams(max_tokens=2, detokenize=False),
                                 use_tqdm=False)
     toy_engine.sync_weights(_toy_state(toy_trainer), toy_trainer.contract())
@@ -237,6 +237,24 @@ def test_a_write_through_data_is_caught_by_the_full_checksum_compare(native_engi
         native_engine.checksums()
     native_engine.sync_weights(read_weights(ckpt), None)  # an update recovers the engine
     assert native_engine.checksums() == native_engine.load_checksums
+
+
+def test_after_a_sleep_the_engine_computes_only_after_a_checked_update(toy_engine, toy_trainer):
+    """vLLM's sleep moves (level 1) or discards (level 2) the weights (a no-op on CPU): afterwards the engine
+    refuses to compute until a checked update, which SkyRL's colocated flow runs after every wake-up; the
+    rows are then the same bits."""
+    from vllm import SamplingParams
+
+    before = _bits(toy_engine)
+    toy_engine.llm.collective_rpc("sleep", kwargs={"level": 2})
+    with pytest.raises(WeightSyncError, match=r"the engine slept \(vLLM's sleep moved or discarded its weights\); "
+                                              "a checked update"):
+        toy_engine.generate(PROMPTS, max_tokens=2)
+    with pytest.raises(WeightSyncError, match="the engine slept"):  # vLLM's own API: refused at admission
+        toy_engine.llm.generate([{"prompt_token_ids": PROMPTS[0]}], SamplingParams(max_tokens=2, detokenize=False),
+                                use_tqdm=False)
+    toy_engine.sync_weights(_toy_state(toy_trainer), toy_trainer.contract())
+    assert _same(_bits(toy_engine), before)
 
 
 # --------------------------------------------------------------------------- the checked path's input

@@ -16,7 +16,8 @@ engine from computing with anything else:
   of prompts, not per prompt;
 - at vLLM's weight-update entries: :func:`refuse_weight_rpcs` shadows them on the worker instance and
   :func:`refuse_native_load_weights` the native model's ``load_weights``, so they are refused naming the
-  checked path before touching anything.
+  checked path before touching anything; after vLLM's ``sleep`` (:func:`invalidate_after_sleep`) the engine
+  waits for a checked update.
 """
 
 from __future__ import annotations
@@ -54,12 +55,18 @@ class VerifiedWeights:
         self.model, self.hf, self.digest = model, dict(hf), dict(digest)
         self.sentinel = WeightSentinel(tensors)
         self.valid = True
+        self.why = "the engine's weights failed their last check (see the error of the weight update or checksum call)"
         self.loading = False  # inside the checked native update: vLLM's loader is let through
         self.dirty = True  # a forward ran (or nothing was checked yet) since the last passing check
 
     def touch(self) -> None:
         """A forward ran: the next admission checks again (O(1); the in-process forward hook)."""
         self.dirty = True
+
+    def invalidate(self, why: str) -> None:
+        """The weights can no longer be vouched for (``why`` is the refusal's first words): the engine refuses
+        to compute until a checked update records new ones."""
+        self.valid, self.why = False, why
 
     def check(self, model: torch.nn.Module) -> None:
         """Raise unless ``model`` is the recorded one, the last update passed its check, and no watched tensor
@@ -75,13 +82,12 @@ class VerifiedWeights:
         if self.loading:
             return
         if not self.valid:
-            raise WeightSyncError("the engine's weights failed their last check (see the error of the weight update "
-                                  "or checksum call); a checked update (RolloutEngine.sync_weights) must succeed "
-                                  "before the engine computes again")
+            raise WeightSyncError(f"{self.why}; a checked update (RolloutEngine.sync_weights) must succeed before the "
+                                  "engine computes again")
         changed = self.sentinel.changed()
         self.dirty = bool(changed)
         if changed:
-            self.valid = False
+            self.invalidate(f"{len(changed)} tensors were written outside the checked weight path")
             raise WeightSyncError(f"{len(changed)} of the engine's tensors were written or replaced outside the "
                                   f"checked weight path since the last checked load or update: {changed[:8]} "
                                   "(vLLM's reload_weights with is_checkpoint_format=False, a direct copy?). Update "
@@ -122,6 +128,20 @@ def refuse_weight_rpcs(worker: Any, names: tuple[str, ...]) -> None:
                 raise refused(f"vLLM's {_name} on a running isoexec-managed engine")
 
             setattr(worker, name, refuse)
+
+
+def invalidate_after_sleep(worker: Any, current: Callable[[], VerifiedWeights]) -> None:
+    """Wrap, on this worker instance, vLLM's ``sleep``: after it the recorded weights are invalid (level 2
+    discards them, level 1 moves them to host memory and back), so the engine computes again only after a
+    checked update (SkyRL's colocated flow updates the weights after every wake-up)."""
+    own = worker.sleep
+
+    def sleep(*args: Any, **kwargs: Any) -> Any:
+        res = own(*args, **kwargs)
+        current().invalidate("the engine slept (vLLM's sleep moved or discarded its weights)")
+        return res
+
+    worker.sleep = sleep
 
 
 def refuse_native_load_weights(model: torch.nn.Module, model_config: Any, allowed: Callable[[], bool]) -> None:

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import typer
 
@@ -58,6 +58,7 @@ class Option:
             the installed vLLM has is read).
         native: the option is refused in native mode too (a vLLM bug, see ``why``).
         cpu_only: the refusal applies on the CPU platform only (see ``why``).
+        accepts: refused engine options: also accepts the values this returns True for (a subclass).
     """
 
     kind: str
@@ -66,15 +67,39 @@ class Option:
     where: tuple[str, ...] = ()
     native: bool = False
     cpu_only: bool = False
+    accepts: Callable[[Any], bool] | None = None
 
     def allowed_text(self) -> str:
         """The allowed values as the refusal messages and the rendered table show them."""
-        return " or ".join("None" if v == "none" else repr(v) for v in self.allowed)
+        text = " or ".join("None" if v == "none" else repr(v) for v in self.allowed)
+        return text + " or a subclass" if self.accepts is not None else text
+
+    def admits(self, value: Any) -> bool:
+        """Whether isoexec mode accepts ``value`` (refused options: one of :attr:`allowed`, or :attr:`accepts`)."""
+        return value in self.allowed or (self.accepts is not None and self.accepts(value))
 
 
-def _r(why: str, *allowed: Any, where: tuple[str, ...] | str = (), native: bool = False, cpu_only: bool = False
-       ) -> Option:
-    return Option(REFUSED, why, tuple(allowed), (where,) if isinstance(where, str) else tuple(where), native, cpu_only)
+def _r(why: str, *allowed: Any, where: tuple[str, ...] | str = (), native: bool = False, cpu_only: bool = False,
+       accepts: Callable[[Any], bool] | None = None) -> Option:
+    return Option(REFUSED, why, tuple(allowed), (where,) if isinstance(where, str) else tuple(where), native, cpu_only,
+                  accepts)
+
+
+def _extends_isoexec_worker(qualname: Any) -> bool:
+    """``qualname`` (``"pkg.module.Class"``) names a subclass of the isoexec worker extension (e.g. a server's
+    extension mixing it with its framework's own)."""
+    import importlib
+
+    if not isinstance(qualname, str) or "." not in qualname:
+        return False
+    mod, _, name = qualname.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(mod), name)
+    except (ImportError, AttributeError):
+        return False
+    from .vllm_plugin import IsoExecWorkerExtension
+
+    return isinstance(cls, type) and issubclass(cls, IsoExecWorkerExtension)
 
 
 def _s(why: str) -> Option:
@@ -190,7 +215,6 @@ _MEM = ("memory sizing of vLLM's KV pool, which the isoexec model does not compu
         f"caches; the pool only decides admission and preemption: {_SCHED})")
 _MAMBA = "vLLM's own GDN / mamba state cache, which the isoexec model does not use (it keeps its own fp32 state)"
 _OFFLOAD = "only with weight offloading (cpu_offload_gb, offload_group_size), refused"
-_SLEEP = "only with sleep mode (enable_sleep_mode), refused"
 _NOT_COMPILED = ("vLLM compiles only models decorated for it (the isoexec model is not) and CUDA graphs are off "
                  "(enforce_eager)")
 _SPEC = "speculative decoding proposes tokens from another model: the row routing and the rows would not be the contract's"
@@ -435,7 +459,7 @@ ENGINE_OPTIONS: dict[str, Option] = {
     "worker_cls": _i(_DEPLOY + "; isoexec's worker methods come through worker_extension_cls"),
     "worker_extension_cls": _r("holds the checked weight path, the attach and the checksums",
                                "isoexec.engines.vllm_plugin.IsoExecWorkerExtension",
-                               where="parallel_config.worker_extension_cls"),
+                               where="parallel_config.worker_extension_cls", accepts=_extends_isoexec_worker),
     "profiler_config": _i(_LOG),
     "logging_config": _i(_LOG),
     "log_level": _i(_LOG),
@@ -447,10 +471,13 @@ ENGINE_OPTIONS: dict[str, Option] = {
     "ec_manager_config": _i(_MM + " (encoder cache)"),
     "reasoning_config": _r("reasoning budgets force end-of-thinking tokens", "none", where="reasoning_config"),
     "generation_config": _i("default sampling settings of requests, each checked at admission"),
-    "enable_sleep_mode": _r("sleep level 2 discards the weights; " + _WEIGHTS_PATH, False,
-                            where="model_config.enable_sleep_mode"),
-    "sleep_mode_offload_cudagraph": _i(_SLEEP),
-    "sleep_preserve_parameter_names": _i(_SLEEP),
+    "enable_sleep_mode": _s("vLLM's sleep moves (level 1) or discards (level 2) the weights: after any sleep the "
+                            "engine refuses to compute until a checked update succeeds (SkyRL's colocated flow syncs "
+                            "after every wake-up): tests/test_engine_weights.py::"
+                            "test_after_a_sleep_the_engine_computes_only_after_a_checked_update"),
+    "sleep_mode_offload_cudagraph": _i(_NOT_COMPILED),
+    "sleep_preserve_parameter_names": _i("which parameters vLLM 0.32's sleep keeps; after any sleep a checked "
+                                         "update must succeed before the engine computes (enable_sleep_mode)"),
     "enable_cumem_allocator": _i(_MEM),
     "enable_nccl_comm_suspend": _i(_DEPLOY),
     "override_generation_config": _i("default sampling settings of requests, each checked at admission"),
@@ -604,7 +631,7 @@ def engine_violations(settings: dict[str, Any]) -> list[tuple[str, Any, Option]]
     """``(option, value, row)`` for every refused engine option whose value in ``settings`` (plain form,
     from :func:`engine_option_values`) isoexec mode does not allow."""
     return [(name, settings[name], opt) for name, opt in ENGINE_OPTIONS.items()
-            if opt.kind == REFUSED and name in settings and settings[name] not in opt.allowed]
+            if opt.kind == REFUSED and name in settings and not opt.admits(settings[name])]
 
 
 # ------------------------------------------------------------------------------------ the guide's table

@@ -399,16 +399,16 @@ class IsoExecWorkerExtension:
         return m if isinstance(m, IsoExecForCausalLM) else None
 
     def isoexec_attach(self) -> dict[str, Any]:
-        """Attach the runner to the isoexec model and record the weights the engine holds (first call), or
-        check they are still the recorded ones (later calls).
+        """Attach the runner to the isoexec model and, on the first call, record the weights the engine holds.
+        Later calls (a client attaching again before each sync) change nothing.
 
         Returns:
-            ``{"kind": "isoexec" | "native", "checksums": {HF name: checksum}}`` (the weights held at load),
-            plus the encoded contract (bytes) for isoexec.
+            ``{"kind": "isoexec" | "native", "checksums": {HF name: checksum}}`` (the weights of the last checked
+            load or update), plus the encoded contract (bytes) for isoexec.
 
         Raises:
-            isoexec.engines.weight_sync.WeightSyncError: native, what the forward reads differs from vLLM's
-                own load of the checkpoint; later calls, weights that changed since the last checked update.
+            isoexec.engines.weight_sync.WeightSyncError: native, at the first call, what the forward reads differs
+                from vLLM's own load of the checkpoint.
         """
         m = self._isoexec_model()
         if m is not None:
@@ -421,9 +421,7 @@ class IsoExecWorkerExtension:
                 self._isoexec_record(HF_NAMES.apply(raw), self._isoexec_verify_native(raw.items(), "at load"))
             else:
                 self._isoexec_record(None)
-            hf = dict(sorted(self._isoexec_weights.hf.items()))
-        else:
-            hf = self.isoexec_checksums()
+        hf = dict(sorted(self._isoexec_weights.hf.items()))  # checked by isoexec_checksums / the next update
         if m is None:
             return {"kind": "native", "checksums": hf}
         from isoexec.contract import encode
@@ -468,7 +466,8 @@ class IsoExecWorkerExtension:
 
             check_state_covers(state, checkpoint_specs(self.vllm_config.model_config.model))
             w = self._isoexec_weights
-            w.valid, w.loading = False, True  # invalid until the check below passes
+            w.invalidate("the engine's last weight update failed its check")  # until the check below passes
+            w.loading = True
             try:
                 native_reload(self.model_runner, state)
             finally:
@@ -558,6 +557,7 @@ class IsoExecWorkerExtension:
             ew.register(self.vllm_config.model_config,
                         lambda: (self._isoexec_weights, self.model_runner.get_model()))
             ew.refuse_weight_rpcs(self, WEIGHT_UPDATE_RPCS)
+            ew.invalidate_after_sleep(self, lambda: self._isoexec_weights)
             if iso is None:
                 ew.refuse_native_load_weights(model, self.vllm_config.model_config,
                                               lambda: self._isoexec_weights.loading)
@@ -579,7 +579,7 @@ class IsoExecWorkerExtension:
             verify_checksums(w.digest, now, when="since the last checked load or update (written outside the "
                                                   "checked weight path)")
         except Exception:
-            w.valid = False
+            w.invalidate("the engine's weights changed outside the checked weight path")
             raise
 
     def _isoexec_verify_native(self, weights: Any, when: str) -> dict[str, str]:
