@@ -2,7 +2,8 @@
 the one error style of every command.
 
 Commands: `contract show|diff|verify` (isoexec.contract.cli), `gates` and `bench`
-(isoexec.model.gates, isoexec.bench), `rollout-check` (isoexec.engines.rollout_check),
+(isoexec.model.gates, isoexec.bench), `rollout-check` (isoexec.engines.rollout_check), `engine-options`
+(isoexec.engines.options: what isoexec mode refuses, as Markdown),
 `rl ...` (isoexec.rl.cli), `report ...` (isoexec.report.cli), `pik-check`
 (isoexec.kernels.collectives: TP-invariant row-parallel GEMM over gloo), `config` (isoexec.settings:
 the validated experiment config, recorded beside its results).
@@ -187,6 +188,8 @@ _COMMANDS = [
     ("isoexec.bench.cpu", "bench_command", "bench", "Time the isoexec kernels against the native ones."),
     ("isoexec.engines.rollout_check", "rollout_check_command", "rollout-check",
      "Recompute vLLM's rollouts with the trainer, per mode."),
+    ("isoexec.engines.options", "options_command", "engine-options",
+     "Print what isoexec mode refuses (every vLLM option classified) as Markdown."),
     ("isoexec.kernels.collectives.check", "pik_check_command", "pik-check",
      "Check the TP-invariant row-parallel GEMM over gloo."),
     ("isoexec.settings", "config_command", "config", "Print an experiment's settings, defaults filled in."),

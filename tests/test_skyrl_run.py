@@ -67,6 +67,8 @@ def test_isoexec_steps_through_skyrl_are_bitwise(ckpt, tmp_path):
     assert r["k3_kl"] == 0.0 and r["full_vocab_kl"] == 0.0
     prov = json.loads((tmp_path / "provenance.json").read_text())
     assert prov["run"]["engines"] == 2
+    loaded = prov["weights_at_load"]  # both engines and the trainer held the same weights at load
+    assert loaded["engine"] == [loaded["trainer"]] * 2 and loaded["trainer"]["tensors"] == 106
     assert prov["run"]["driver"] == "skyrl" and prov["skyrl_overrides"]["trainer.algorithm.eps_clip_high"] == 0.28
 
 

@@ -48,13 +48,15 @@ def test_generation_shapes_are_parsed_or_refused_naming_the_value():
 def test_sampling_rules_skip_fields_this_vllm_version_lacks():
     """vLLM 0.26's SamplingParams has no ``trace_decode_token_ids``: a rule for it must not fail every request
     (it did on the H200), while the fields the version has are still checked."""
-    from isoexec.engines.requests import SAMPLING_RULES, sampling_violations
+    from isoexec.engines.options import REFUSED, SAMPLING_OPTIONS, sampling_violations
 
     ok = {k: v for k, v in [("temperature", 1.0), ("top_p", 1.0), ("top_k", 0), ("min_p", 0.0),
                              ("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0),
                              ("min_tokens", 0), ("logit_bias", None), ("allowed_token_ids", None), ("bad_words", None),
-                             ("structured_outputs", None), ("thinking_token_budget", None), ("seed", None)]}
-    assert {k for k, _, _ in SAMPLING_RULES} - set(ok) == {"trace_decode_token_ids"}
+                             ("structured_outputs", None), ("thinking_token_budget", None), ("seed", None),
+                             ("logprob_token_ids", None), ("extra_args", None)]}
+    assert {k for k, o in SAMPLING_OPTIONS.items() if o.kind == REFUSED} - set(ok) == {
+        "trace_decode_token_ids", "watermarking", "prompt_logprob_token_ids", "prompt_logprob_start"}  # 0.32 only
     assert sampling_violations(SimpleNamespace(**ok)) == []
     assert [v[0] for v in sampling_violations(SimpleNamespace(**{**ok, "top_k": 5}))] == ["top_k"]
 

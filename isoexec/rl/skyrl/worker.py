@@ -301,6 +301,15 @@ class IsoExecPolicyWorker(PolicyWorkerBase):
         rows, self.model.kept = self.model.kept, []
         return torch.cat(rows) if rows else torch.empty(0)
 
+    def isoexec_load_checksums(self) -> dict[str, str]:
+        """Checksums (HF names) of the weights this trainer holds, as a weight sync would send them; a
+        collective for ``megatron`` (every rank joins the gather, every rank gets them). Called once before the
+        first step, for the load-time weight handshake with the engines."""
+        from isoexec.engines.weight_sync import state_checksums
+        from isoexec.trainer.base import sync_state
+
+        return state_checksums(sync_state(self.policy))
+
     def isoexec_contract(self) -> bytes | None:
         """The trainer's contract (canonical JSON), None in native mode."""
         from isoexec.contract import encode

@@ -150,13 +150,15 @@ class MegatronTrainer:
         """Build on this rank and load a HF ``Qwen3NextForCausalLM`` checkpoint folder.
 
         ``dtype`` None keeps the checkpoint's dtype; other keywords go to the constructor.
-        """
-        from isoexec.model.hf import read_config, read_weights
 
+        Raises:
+            isoexec.model.hf.CheckpointError: tensors that contradict the config (before any rank loads).
+        """
+        from isoexec.model.hf import check_checkpoint, config_dtype, read_config, read_weights
+
+        check_checkpoint(path)
         cfg = read_config(path)
-        if dtype is None:
-            dtype = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None) or torch.bfloat16
-            dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+        dtype = dtype or config_dtype(cfg)
         trainer = cls(cfg, layout, kernel_set, kernels, dtype, **kw)
         sd = read_weights(path)
         if getattr(cfg, "tie_word_embeddings", False):
