@@ -2,9 +2,10 @@
 # On the GPU node (repository copy as the working directory): install the GPU stack brought as parts, run a
 # job detached from the call that starts it, and collect its results into $OUT.
 #
-#   bash workflow/scripts/gpu_node.sh install          # park the carried parts (.gpu/site.tar.xz.*) in
-#                                                      # /tmp/parts; once all are there (site.sha256 matches),
-#                                                      # unpack the site tree to /tmp/site (once per machine)
+#   bash workflow/scripts/gpu_node.sh install          # park the carried parts (.gpu/site.tar.xz.*, rl.tar.*)
+#                                                      # in /tmp/parts; once all of one are there (its sha256
+#                                                      # matches), unpack the site tree to /tmp/site, then
+#                                                      # pip-install the RL stack (once per machine)
 #   bash workflow/scripts/gpu_node.sh start CMD...     # run CMD in the background in a snapshot of this copy
 #                                                      # (/tmp/job/src), with the stack's environment; its
 #                                                      # outputs go to /tmp/job/out (the job sees it as $JOB_OUT)
@@ -26,21 +27,39 @@ stack_env() {
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
   # the commit shipped (this copy has no .git); written by the caller into .gpu/source_rev
   [ -f .gpu/source_rev ] && export ISOEXEC_SOURCE_REV=$(cat .gpu/source_rev)
+  # the RL stack's scripts (snakemake) and an `isoexec` command for the workflow's rules (the copy is not
+  # pip-installed: it runs from PYTHONPATH)
+  mkdir -p /tmp/bin && printf '#!/bin/sh\nexec python3 -c "import sys; from isoexec.cli import app; sys.argv[0] = \\"isoexec\\"; app()" "$@"\n' > /tmp/bin/isoexec
+  chmod +x /tmp/bin/isoexec; export PATH=/tmp/bin:$HOME/.local/bin:$PATH
   return 0
+}
+whole() {  # whole NAME: the parts of NAME in $PARTS join to the brought NAME.sha256
+  [ -f "$PARTS/$1.sha256" ] && ls "$PARTS/$1".?? > /dev/null 2>&1 || { echo "gpu_node: $1: no parts or sha256 yet"; return 1; }
+  [ "$(cat "$PARTS/$1".?? | sha256sum | cut -c1-64)" = "$(cut -c1-64 "$PARTS/$1.sha256")" ] && return 0
+  echo "gpu_node: $1: parts so far ($(cd "$PARTS" && ls "$1".?? | tr '\n' ' ')) do not make it yet"; return 1
 }
 case "$cmd" in
   install)
     mkdir -p "$PARTS"
-    for f in .gpu/site.tar.xz.* .gpu/site.sha256; do [ -f "$f" ] && cp "$f" "$PARTS/"; done
-    if [ -f "$SITE/.complete" ]; then echo "gpu_node: $SITE is installed"; exit 0; fi
-    [ -f "$PARTS/site.sha256" ] || { echo "gpu_node: no site.sha256 yet (parts: $(ls $PARTS))"; exit 0; }
-    got=$(cat "$PARTS"/site.tar.xz.* | sha256sum | cut -c1-64)
-    if [ "$got" != "$(cut -c1-64 "$PARTS/site.sha256")" ]; then
-      echo "gpu_node: parts so far ($(cd $PARTS && ls site.tar.xz.* | tr '\n' ' ')) do not make site.tar.xz yet"; exit 0
+    for f in .gpu/site.tar.xz.* .gpu/site.sha256 .gpu/rl.tar.* .gpu/rl.sha256; do [ -f "$f" ] && cp "$f" "$PARTS/"; done
+    if [ ! -f "$SITE/.complete" ] && whole site.tar.xz; then
+      cat "$PARTS"/site.tar.xz.* | xz -d -T0 | tar -xf - -C /tmp && touch "$SITE/.complete" || exit 1
+      stack_env
+      python3 -c "import torch, vllm, megatron.core, fla, pydantic; print('gpu_node: vllm', vllm.__version__, 'torch', torch.__version__, torch.cuda.get_device_name(0))"
     fi
-    cat "$PARTS"/site.tar.xz.* | xz -d -T0 | tar -xf - -C /tmp && touch "$SITE/.complete" || exit 1
-    stack_env
-    python3 -c "import torch, vllm, megatron.core, fla, pydantic; print('gpu_node: vllm', vllm.__version__, 'torch', torch.__version__, torch.cuda.get_device_name(0))"
+    if [ -f "$SITE/.complete" ] && [ ! -f "$SITE/.rl" ] && whole rl.tar; then
+      # the RL stack: pip takes from the brought wheels only what the image (and the site tree) lacks, into
+      # the user site; skyrl and skyrl-gym without their pins (see gpu_site.sh)
+      mkdir -p /tmp/rl && cat "$PARTS"/rl.tar.* | tar -xf - -C /tmp/rl || exit 1
+      stack_env
+      pipi() { PIP_BREAK_SYSTEM_PACKAGES=1 python3 -m pip install -q --user --no-index --find-links /tmp/rl/whl "$@"; }
+      pipi --no-deps skyrl==0.4.0 skyrl-gym==0.4.0 func_timeout==4.3.5 torchdata==0.11.0 && \
+        pipi $(tr '\n' ' ' < /tmp/rl/whl/stack.txt) || exit 1
+      touch "$SITE/.rl"
+      python3 -c "import ray, skyrl, datasets, snakemake; print('gpu_node: ray', ray.__version__, 'datasets', datasets.__version__)"
+    fi
+    [ -f "$SITE/.complete" ] && echo "gpu_node: $SITE is installed"
+    [ -f "$SITE/.rl" ] && echo "gpu_node: the RL stack is installed"
     ;;
   start)
     [ -f "$SITE/.complete" ] || { echo "gpu_node: install the stack first"; exit 1; }

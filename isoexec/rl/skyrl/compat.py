@@ -21,6 +21,13 @@ item names the upstream file and line it works around; drop it when upstream no 
    (``skyrl/backends/skyrl_train/workers/worker.py:841``) asks Ray for ``num_gpus`` per trainer
    actor. On a CPU host Ray is started with that many *logical* GPUs (Ray's resources are only
    counters; no device is used), and with few CPUs so that it stays small on a 2-core machine.
+   On a CUDA host (:data:`CUDA_ACTOR_ENV`): the engine actors ask Ray for no GPU, so Ray would hide
+   the GPUs from them (it sets ``CUDA_VISIBLE_DEVICES`` to the actor's GPU ids, empty here; ray 2.57.0,
+   ``ray/_private/accelerators/nvidia_gpu.py`` line 112 reads the switch). With
+   ``RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1`` every actor sees the node's GPUs: the engines run
+   on GPU 0 beside trainer rank 0, and each trainer rank takes the GPU Ray assigned it (SkyRL's worker
+   sets ``LOCAL_RANK`` from ``ray.get_gpu_ids()`` under that switch, ``workers/worker.py`` line 105;
+   :func:`isoexec.trainer.megatron.launch.init_parallel` selects GPU ``LOCAL_RANK``).
 4. :func:`filter_sampling_keeps_sampling_on_uninformative_batches` (the driver process):
    ``handle_filter_sampling`` (``skyrl/train/utils/trainer_utils.py:518``, skyrl 0.4.0; DAPO's dynamic
    sampling, ``trainer.algorithm.dynamic_sampling.type: filter``) slices each sampled batch to its
@@ -62,6 +69,10 @@ def cpu_device_answers() -> None:
 
     if not torch.cuda.is_available():
         torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
+
+
+CUDA_ACTOR_ENV = {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}
+"""Item 3 on a CUDA host: environment of every Ray worker process (the engine actors see the GPUs)."""
 
 
 def ray_init_kwargs(num_cpus: int, num_trainer_gpus: int, env_vars: dict[str, str] | None = None) -> dict[str, Any]:

@@ -233,8 +233,9 @@ def run_skyrl(config: ExperimentConfig, mode: str, seed: int, init_dir: str | Pa
               engine_config: ExperimentConfig | None = None) -> list[dict[str, Any]]:
     """A paired-run half through SkyRL; same outputs as :func:`isoexec.rl.loop.run_rl`.
 
-    Starts Ray locally (max(2, trainer ranks) CPUs, one logical GPU per trainer rank; :mod:`~isoexec.rl.skyrl.compat`)
-    unless Ray is already initialized; the task's parquet lives in a temporary directory for the run.
+    Starts Ray locally (max(2, trainer ranks) CPUs, one GPU per trainer rank: logical on a CPU host, and on a
+    CUDA host every actor sees the node's GPUs, :data:`~isoexec.rl.skyrl.compat.CUDA_ACTOR_ENV`) unless Ray is
+    already initialized; the task's parquet lives in a temporary directory for the run.
     Writes ``out_dir/provenance.json`` (with the rendered SkyRL overrides) and ``out_dir/metrics.jsonl``.
 
     Args:
@@ -281,6 +282,8 @@ def _run(config, mode, seed, init_dir, out_dir, steps, command, threads, engine_
         env = {k: os.environ[k] for k in ("PYTHONPATH", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE",
                                           "VLLM_CPU_KVCACHE_SPACE", "VLLM_ENABLE_V1_MULTIPROCESSING", "LD_PRELOAD")
                if k in os.environ}
+        if config.device == "cuda":
+            env.update(compat.CUDA_ACTOR_ENV)
         world = config.trainer.world_size(mode)
         ray.init(**compat.ray_init_kwargs(num_cpus=max(2, world), num_trainer_gpus=world, env_vars=env))
     try:

@@ -120,15 +120,16 @@ class PolicyModel(torch.nn.Module):
             if v not in (None, False):
                 raise ValueError(f"{k}={v!r} is not supported by isoexec's policy worker")
         B, S = sequences.shape
-        mask = attention_mask.bool()
+        mask = attention_mask.bool().cpu()
         lens = mask.sum(1)
         if not torch.equal(mask, torch.arange(S)[None, :] >= (S - lens)[:, None]):
             raise ValueError("attention_mask rows must be 0...0 1...1 (real tokens as a suffix)")
-        ids = sequences[mask]
+        ids = sequences.cpu()[mask]
         cu = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)])
         grad = torch.is_grad_enabled()
-        rows = self.policy.trainer_logprobs(ids.cpu(), cu.cpu(), grad=grad)  # [T, V] float32
+        rows = self.policy.trainer_logprobs(ids, cu, grad=grad)  # [T, V] float32, on the trainer's device
         V = rows.shape[1]
+        mask, sequences = mask.to(rows.device), sequences.to(rows.device)  # SkyRL's batch: on its device
         full = rows.new_zeros(B, S, V)
         full = full.masked_scatter(mask[:, :, None].expand(B, S, V), rows)
         nxt = torch.roll(sequences, shifts=-1, dims=1)
@@ -297,9 +298,9 @@ class IsoExecPolicyWorker(PolicyWorkerBase):
 
     def isoexec_drain_score(self) -> torch.Tensor:
         """The rows kept by the no-grad forwards since the last drain, in call order: ``[B, R, V]``
-        float32 on rank 0 (empty on the others), then forgets them."""
+        float32 on the CPU on rank 0 (empty on the others), then forgets them."""
         rows, self.model.kept = self.model.kept, []
-        return torch.cat(rows) if rows else torch.empty(0)
+        return torch.cat(rows).cpu() if rows else torch.empty(0)
 
     def isoexec_load_checksums(self) -> dict[str, str]:
         """Checksums (HF names) of the weights this trainer holds, as a weight sync would send them; a
