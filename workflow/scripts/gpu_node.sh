@@ -33,9 +33,10 @@ stack_env() {
   chmod +x /tmp/bin/isoexec; export PATH=/tmp/bin:$HOME/.local/bin:$PATH
   return 0
 }
-whole() {  # whole NAME: the parts of NAME in $PARTS join to the brought NAME.sha256
-  [ -f "$PARTS/$1.sha256" ] && ls "$PARTS/$1".?? > /dev/null 2>&1 || { echo "gpu_node: $1: no parts or sha256 yet"; return 1; }
-  [ "$(cat "$PARTS/$1".?? | sha256sum | cut -c1-64)" = "$(cut -c1-64 "$PARTS/$1.sha256")" ] && return 0
+whole() {  # whole NAME: the parts of NAME (site.tar.xz, rl.tar) in $PARTS join to the brought site/rl.sha256
+  local sum="$PARTS/${1%%.*}.sha256"
+  [ -f "$sum" ] && ls "$PARTS/$1".?? > /dev/null 2>&1 || { echo "gpu_node: $1: no parts or sha256 yet"; return 1; }
+  [ "$(cat "$PARTS/$1".?? | sha256sum | cut -c1-64)" = "$(cut -c1-64 "$sum")" ] && return 0
   echo "gpu_node: $1: parts so far ($(cd "$PARTS" && ls "$1".?? | tr '\n' ' ')) do not make it yet"; return 1
 }
 case "$cmd" in
@@ -49,10 +50,10 @@ case "$cmd" in
     fi
     if [ -f "$SITE/.complete" ] && [ ! -f "$SITE/.rl" ] && whole rl.tar; then
       # the RL stack: pip takes from the brought wheels only what the image (and the site tree) lacks, into
-      # the user site; skyrl and skyrl-gym without their pins (see gpu_site.sh)
+      # the image's Python environment; skyrl and skyrl-gym without their pins (see gpu_site.sh)
       mkdir -p /tmp/rl && cat "$PARTS"/rl.tar.* | tar -xf - -C /tmp/rl || exit 1
       stack_env
-      pipi() { PIP_BREAK_SYSTEM_PACKAGES=1 python3 -m pip install -q --user --no-index --find-links /tmp/rl/whl "$@"; }
+      pipi() { PIP_BREAK_SYSTEM_PACKAGES=1 python3 -m pip install -q --no-index --find-links /tmp/rl/whl "$@"; }
       pipi --no-deps skyrl==0.4.0 skyrl-gym==0.4.0 func_timeout==4.3.5 torchdata==0.11.0 && \
         pipi $(tr '\n' ' ' < /tmp/rl/whl/stack.txt) || exit 1
       touch "$SITE/.rl"

@@ -4,7 +4,7 @@
 # tree, compressed and split into parts that each travel in one device call beside the repository.
 #
 # Usage (repo root, any x86-64 machine with pip and network):
-#   bash workflow/scripts/gpu_site.sh [OUTDIR=.gpu] [PART_MIB=56] [WHAT=all|site|rl]
+#   bash workflow/scripts/gpu_site.sh [OUTDIR=.gpu] [PART_MIB=52] [WHAT=all|site|rl]
 # Writes OUTDIR/site.tar.xz.aa, .ab, ... and OUTDIR/site.sha256 (of the whole site.tar.xz), and (rl) the RL
 # stack's wheels as OUTDIR/rl.tar.aa, ... and OUTDIR/rl.sha256. On the node, workflow/scripts/gpu_node.sh
 # joins, checks and unpacks them (see README, "GPU node").
@@ -25,7 +25,7 @@
 # solver builds for other systems are dropped from their wheels (never loaded: no dashboard, greedy
 # scheduling needs no solver binary on another OS).
 set -euo pipefail
-OUT=${1:-.gpu}; PART=${2:-56}; WHAT=${3:-all}
+OUT=${1:-.gpu}; PART=${2:-52}; WHAT=${3:-all}
 mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
 W=$(mktemp -d); trap 'rm -rf "$W"' EXIT
 P="--only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64
