@@ -104,3 +104,36 @@ def test_engine_benchmark_dry_run_on_cpu_isoexec_bitwise_native_not(tmp_path):
     summary = json.loads((out / "rollout_check.json").read_text())["summary"]
     assert summary["checks"]["check"]["cache_state"]["kind"] == "isoexec"
     assert (out / "profile" / "isoexec.cprofile.txt").exists() and (out / "provenance.json").exists()
+
+
+def test_native_gdn_ba_made_contiguous_on_gpu_platforms_only(monkeypatch):
+    """vllm_compat.contiguous_gdn_ba: vLLM's own ``fix_query_key_value_ordering`` returns b and a with
+    last-dim stride 2 when value heads equal key heads (the negative control: the GPU decode kernel refuses
+    them); wrapped, the same values come back contiguous. On the CPU platform nothing is wrapped."""
+    import torch
+    from vllm.model_executor.layers.mamba.gdn import qwen_gdn_linear_attn as gdn
+    from vllm.platforms import current_platform
+
+    from isoexec.engines import vllm_compat
+
+    cls = gdn.QwenGatedDeltaNetAttention
+    original = cls.fix_query_key_value_ordering
+    layer = SimpleNamespace(num_k_heads=2, num_v_heads=2, head_k_dim=4, head_v_dim=4, tp_size=1)
+    qkvz = torch.randn(5, 2 * (4 + 4 + 4 + 4))
+    ba = torch.randn(5, 2 * 2)
+    *_, b0, a0 = original(layer, qkvz, ba)
+    assert b0.stride(-1) != 1 and a0.stride(-1) != 1  # what vLLM 0.26's packed decode kernel refuses
+
+    vllm_compat.contiguous_gdn_ba()  # the CPU platform: left alone
+    assert cls.fix_query_key_value_ordering is original
+    monkeypatch.setattr(cls, "fix_query_key_value_ordering", original)  # restored after the test
+    monkeypatch.setattr(current_platform, "is_cpu", lambda: False)
+    vllm_compat.contiguous_gdn_ba()
+    vllm_compat.contiguous_gdn_ba()  # idempotent: wrapped once
+    wrapped = cls.fix_query_key_value_ordering
+    assert wrapped is not original and wrapped.isoexec_contiguous
+    *rest, b, a = wrapped(layer, qkvz, ba)
+    assert b.is_contiguous() and a.is_contiguous()
+    assert torch.equal(b, b0) and torch.equal(a, a0)
+    for x, y in zip(rest, original(layer, qkvz, ba)[:4]):
+        assert torch.equal(x, y)
