@@ -3,7 +3,8 @@
 Validated at load with pydantic (``extra="forbid"``), so a typo fails at once with the key's name.
 Each layer owns one section: ``model`` (architecture, Hugging Face ``Qwen3NextConfig`` fields),
 ``kernels`` (the constants pinned by the kernel sets), ``gates``, ``task``, ``sft``, ``rl``,
-``trainer`` and ``engine`` (which backend runs each side; the mode picks the kernel set).
+``trainer`` and ``engine`` (which backend runs each side; the mode picks the kernel set); ``arms``
+adds arms to the paired runs beyond ``rl.modes`` (a mode's stack with SkyRL's off-policy correction).
 """
 
 from __future__ import annotations
