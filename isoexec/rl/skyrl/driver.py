@@ -44,6 +44,7 @@ import gc
 import logging
 import os
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -315,7 +316,9 @@ class Session:
 
     def run(self, config: ExperimentConfig, arm: Arm, seed: int, init_dir: str | Path, out_dir: Path, steps: int,
             command: str | None = None, engine_config: ExperimentConfig | None = None) -> list[dict[str, Any]]:
-        """One run (``arm``, ``seed``) of ``steps`` steps; writes ``out_dir/{provenance.json,metrics.jsonl}``.
+        """One run (``arm``, ``seed``) of ``steps`` steps; writes ``out_dir/{provenance.json,metrics.jsonl}``
+        (the provenance again at the end, with the run's ``wall_s`` and ``outside_steps_s``: its seconds
+        outside the steps, i.e. start-up and the first weight sync).
 
         Raises:
             ValueError: the run's trainer world size is not the session's (:meth:`fits`).
@@ -339,9 +342,16 @@ class Session:
             prov["skyrl_overrides"] = {k: v for k, v in overrides.items() if k != "trainer.policy.model_config_kwargs"}
             atomic_write_json(out_dir / "provenance.json", prov)
             self.runs += 1
+            t0 = time.perf_counter()
             exp = IsoExecPPOExp(cfg, config, arm, seed, out_dir / "metrics.jsonl", self, engine_exp=engine_config)
             exp.run()
-            return exp.metrics.log.rows
+            rows = exp.metrics.log.rows
+            # the run's wall time and what of it lies outside its steps (start-up: processes or rebuilds, the
+            # first sync), written when the run ends
+            wall = time.perf_counter() - t0
+            prov["run"].update(wall_s=wall, outside_steps_s=wall - sum(r["time/step"] for r in rows))
+            atomic_write_json(out_dir / "provenance.json", prov)
+            return rows
 
     def _end_engines(self) -> None:
         for a in self._engines:
