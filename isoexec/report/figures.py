@@ -302,11 +302,12 @@ def time_figure(df: pd.DataFrame, exp: str) -> Figure:
             means = np.array([float(g[k].mean()) for k in keys])
             bounds = np.array([bootstrap_interval([(r[k].to_numpy(float),) for _, r in g.groupby("seed")],
                                                   stat=lambda t: t.mean(-1)) for k in keys])  # [K, 2]
-            err = np.vstack([means - bounds[:, 0], bounds[:, 1] - means])
-            drawn |= bool(np.isfinite(err).any())
+            err = np.vstack([means - bounds[:, 0], bounds[:, 1] - means])  # NaN where nothing varies: not drawn
+            has_err = bool(np.isfinite(err).any())
+            drawn |= has_err
             pos = x - 0.4 + width * (i + 0.5)
             c, _, _, filled = _style(arm, i)
-            bars = ax.bar(pos, means, width, yerr=np.nan_to_num(err), capsize=3, color=c if filled else "white",
+            bars = ax.bar(pos, means, width, yerr=err if has_err else None, capsize=3, color=c if filled else "white",
                           edgecolor=c, hatch=None if filled else "//", label=arm)
             if arm == BASELINE_ARM:
                 continue
