@@ -1,4 +1,4 @@
-"""IsoExec reproduction workflow (DESIGN.md §5): model, gates, rollout check, paired RL, report.
+"""IsoExec reproduction workflow (docs/design.md, The experiments): model, gates, rollout check, paired RL, report.
 
     snakemake reproduce                                               # experiments/cpu-tiny.yaml end to end
     snakemake reproduce --config experiment=experiments/ci-tiny.yaml  # another experiment
@@ -30,7 +30,7 @@ include: "workflow/rules/skyrl.smk"
 
 
 rule reproduce:
-    """The default experiment end to end: every artefact of DESIGN.md §5.1-5.2."""
+    """The default experiment end to end: gates and paired RL runs (docs/design.md, The experiments)."""
     default_target: True
     input:
         SETTINGS,

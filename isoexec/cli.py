@@ -2,7 +2,8 @@
 the one error style of every command.
 
 Commands: `contract show|diff|verify` (isoexec.contract.cli), `gates` and `bench`
-(isoexec.model.gates, isoexec.bench), `rollout-check` (isoexec.engines.rollout_check),
+(isoexec.model.gates, isoexec.bench), `rollout-check` (isoexec.engines.rollout_check), `engine-options`
+(isoexec.engines.options: what isoexec mode refuses, as Markdown),
 `rl ...` (isoexec.rl.cli), `report ...` (isoexec.report.cli), `pik-check`
 (isoexec.kernels.collectives: TP-invariant row-parallel GEMM over gloo), `config` (isoexec.settings:
 the validated experiment config, recorded beside its results).
@@ -17,6 +18,7 @@ instead, with the traceback. The workflow's config loading prints the same line 
 from __future__ import annotations
 
 import importlib
+import inspect
 import re
 import sys
 from collections.abc import Sequence
@@ -68,6 +70,17 @@ def error_line(exc: BaseException | str) -> str:
     return f"error: {text}"
 
 
+def given_value(args: Sequence[str], opts: Sequence[str]) -> str | None:
+    """The value typed for an option (``--steps -5`` or ``--steps=-5``) among ``args``; None if not there."""
+    for i, a in enumerate(args):
+        for o in opts:
+            if a == o and i + 1 < len(args):
+                return args[i + 1]
+            if a.startswith(f"{o}="):
+                return a[len(o) + 1:]
+    return None
+
+
 def _debug_requested(args: Sequence[str]) -> bool:
     """``--debug`` among the global options (the words before the first command name)."""
     for a in args:
@@ -78,7 +91,24 @@ def _debug_requested(args: Sequence[str]) -> bool:
     return False
 
 
-class IsoexecGroup(TyperGroup):
+class HelpGroup(TyperGroup):
+    """A command group whose ``--help`` lists each command with its summary (``short_help``, else the
+    first paragraph of its help) whole and wrapped; click would cut it at the first period or at the
+    terminal width, with "..."."""
+
+    def format_commands(self, ctx: Any, formatter: Any) -> None:
+        rows = []
+        for name in self.list_commands(ctx):
+            cmd = self.get_command(ctx, name)
+            if cmd is not None and not cmd.hidden:
+                summary = cmd.short_help or inspect.cleandoc(cmd.help or "").split("\n\n")[0]
+                rows.append((name, " ".join(summary.split())))
+        if rows:
+            with formatter.section("Commands"):
+                formatter.write_dl(rows)
+
+
+class IsoexecGroup(HelpGroup):
     """The top-level command group: runs a command and turns what it raises into one ``error:`` line.
 
     Click usage errors (an unknown option, a value of the wrong type, a ``typer.BadParameter``) and
@@ -100,7 +130,12 @@ class IsoexecGroup(TyperGroup):
             if debug:
                 raise
             where = f"{e.ctx.command_path}: " if e.ctx is not None else ""
-            typer.echo(error_line(f"{where}{e.format_message()}"), err=True)
+            msg = e.format_message()
+            param = getattr(e, "param", None)
+            value = given_value(argv, param.opts) if param is not None and getattr(param, "opts", None) else None
+            if value is not None:  # click names the option, not what was typed
+                msg = msg.replace(f"'{param.opts[0]}'", f"'{param.opts[0]}' ({value!r})", 1)
+            typer.echo(error_line(f"{where}{msg}"), err=True)
             sys.exit(USAGE_EXIT)
         except _click_exc.ClickException as e:
             if debug:
@@ -127,6 +162,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,  # click's plain help: paragraphs joined into sentences, flags as --x / --no-x
 )
 
 
@@ -140,25 +176,29 @@ def _global_options(
     """
 
 
-# Sub-applications: (module, attribute, group name)
+# Sub-applications: (module, attribute, group name, one-line summary in `isoexec --help`)
 _GROUPS = [
-    ("isoexec.contract.cli", "app", "contract"),
-    ("isoexec.rl.cli", "app", "rl"),
-    ("isoexec.report.cli", "app", "report"),
+    ("isoexec.contract.cli", "app", "contract", "Show, compare and verify execution contracts."),
+    ("isoexec.rl.cli", "app", "rl", "Tiny checkpoint, SFT warm start and the paired RL runs."),
+    ("isoexec.report.cli", "app", "report", "Tables, figures and the notebook of an experiment."),
 ]
-# Single commands: (module, function, command name)
+# Single commands: (module, function, command name, one-line summary in `isoexec --help`)
 _COMMANDS = [
-    ("isoexec.model.gates", "gates_command", "gates"),
-    ("isoexec.bench.cpu", "bench_command", "bench"),
-    ("isoexec.engines.rollout_check", "rollout_check_command", "rollout-check"),
-    ("isoexec.kernels.collectives.check", "pik_check_command", "pik-check"),
-    ("isoexec.settings", "config_command", "config"),
+    ("isoexec.model.gates", "gates_command", "gates", "Run the bitwise gate matrix of an experiment."),
+    ("isoexec.bench.cpu", "bench_command", "bench", "Time the isoexec kernels against the native ones."),
+    ("isoexec.engines.rollout_check", "rollout_check_command", "rollout-check",
+     "Recompute vLLM's rollouts with the trainer, per mode."),
+    ("isoexec.engines.options", "options_command", "engine-options",
+     "Print what isoexec mode refuses (every vLLM option classified) as Markdown."),
+    ("isoexec.kernels.collectives.check", "pik_check_command", "pik-check",
+     "Check the TP-invariant row-parallel GEMM over gloo."),
+    ("isoexec.settings", "config_command", "config", "Print an experiment's settings, defaults filled in."),
 ]
 
-for _mod, _attr, _name in _GROUPS:
-    app.add_typer(getattr(importlib.import_module(_mod), _attr), name=_name)
-for _mod, _attr, _name in _COMMANDS:
-    app.command(_name)(getattr(importlib.import_module(_mod), _attr))
+for _mod, _attr, _name, _short in _GROUPS:
+    app.add_typer(getattr(importlib.import_module(_mod), _attr), name=_name, short_help=_short, cls=HelpGroup)
+for _mod, _attr, _name, _short in _COMMANDS:
+    app.command(_name, short_help=_short)(getattr(importlib.import_module(_mod), _attr))
 
 
 if __name__ == "__main__":

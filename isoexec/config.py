@@ -9,6 +9,7 @@ adds arms to the paired runs beyond ``rl.modes`` (a mode's stack with SkyRL's of
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Literal
 
@@ -198,7 +199,8 @@ class TaskSection(_Section):
 
 
 class SFTSection(_Section):
-    steps: NonNegativeInt = 200
+    steps: PositiveInt = Field(200, description="at most this many SFT steps (at least one: the metrics are measured "
+                               "on the trained checkpoint)")
     batch_size: PositiveInt = 32
     lr: PositiveFloat = 3e-3
     target_accuracy: tuple[float, float] = Field(
@@ -220,7 +222,7 @@ class RLSection(_Section):
     driver: Literal["skyrl", "loop"] = Field(
         "skyrl", description="skyrl: SkyRL's RayPPOTrainer (Ray started locally; isoexec.rl.skyrl); loop: the "
         "in-process loop (isoexec.rl.loop; hf / unified trainers, no dynamic sampling)")
-    steps: NonNegativeInt = 20
+    steps: PositiveInt = Field(20, description="RL steps per run (at least one: every mode x seed is a run)")
     seeds: list[NonNegativeInt] = Field([0, 1], min_length=1)
     modes: list[Literal["native", "isoexec"]] = Field(["native", "isoexec"], min_length=1)
     prompts_per_step: PositiveInt = 8
@@ -260,7 +262,7 @@ class TrainerSection(_Section):
     ``backend``: one backend for both modes, or a mapping ``mode -> backend``. ``hf`` is transformers'
     ``Qwen3NextForCausalLM`` with its own kernels (native only); ``unified`` is the unified model with
     the mode's kernel set; ``megatron`` is megatron-core (:mod:`isoexec.trainer.megatron`) with the
-    mode's kernel set on ``tp`` x ``ep`` ranks (one process each; gloo on CPU, NCCL on CUDA).
+    mode's kernel set on ``cp`` x ``max(tp, ep)`` ranks (one process each; gloo on CPU, NCCL on CUDA).
     """
 
     backend: TrainerBackend | dict[Mode, TrainerBackend] = Field(
@@ -269,6 +271,8 @@ class TrainerSection(_Section):
     ep: PositiveInt = Field(1, description="megatron: expert-parallel degree (routed experts over ranks)")
     sp: bool | None = Field(None, description="megatron: sequence parallelism; None: on exactly when tp > 1 "
                             "(Megatron's MoE needs it at tp > 1)")
+    cp: PositiveInt = Field(1, description="megatron: context-parallel degree (each sequence split over cp ranks "
+                            "in contiguous slices; isoexec set only, proven at 1, 2, 4 with tp 1 or 2)")
 
     def backend_for(self, mode: str) -> str:
         """The backend of ``mode``.
@@ -283,10 +287,10 @@ class TrainerSection(_Section):
         return self.backend[mode]
 
     def layout(self):
-        """The Megatron layout of ``tp``, ``ep``, ``sp`` (:class:`isoexec.trainer.megatron.config.Layout`)."""
+        """The Megatron layout of ``tp``, ``ep``, ``sp``, ``cp`` (:class:`isoexec.trainer.megatron.config.Layout`)."""
         from isoexec.trainer.megatron.config import Layout
 
-        return Layout(tp=self.tp, ep=self.ep, sp=self.tp > 1 if self.sp is None else self.sp)
+        return Layout(tp=self.tp, ep=self.ep, sp=self.tp > 1 if self.sp is None else self.sp, cp=self.cp)
 
     def world_size(self, mode: str) -> int:
         """Trainer processes of ``mode``: the layout's world size for ``megatron``, else 1."""
@@ -294,9 +298,10 @@ class TrainerSection(_Section):
 
     def megatron_problems(self, mode: str, device: str, model: "ModelSection") -> list[str]:
         """Why ``megatron`` cannot run ``mode`` with this layout (empty: it can): the device, the layout
-        itself, sizes of ``model`` it does not divide, and, for ``isoexec``, degrees outside the kernel
-        set's proven topology (the contract's claim, :func:`isoexec.kernels.topology.proven_topology`)."""
-        from isoexec.kernels.topology import proven_topology
+        itself, sizes of ``model`` it does not divide, context parallelism in ``native`` mode, and, for
+        ``isoexec``, degrees outside the kernel set's proven topology (the contract's claim and the degrees
+        proven together with ``cp > 1``, :func:`isoexec.kernels.topology.topology_problems`)."""
+        from isoexec.kernels.topology import topology_problems
         from isoexec.trainer.megatron.config import layout_problems, splittable_degrees
 
         if device not in ("cpu", "cuda"):
@@ -305,17 +310,19 @@ class TrainerSection(_Section):
         try:
             layout.check()
         except ValueError as e:
-            return [f"trainer tp={self.tp} ep={self.ep} sp={self.sp}: {e}"]
+            return [f"trainer tp={self.tp} ep={self.ep} sp={self.sp} cp={self.cp}: {e}"]
         bad = [f"trainer layout {layout.name}: model.{p}" for p in layout_problems(model, layout)]
         if bad:
             bad.append(f"trainer layout {layout.name}: this model splits at tp in {splittable_degrees(model, 'tp')} "
                        f"(ep 1) and at ep in {splittable_degrees(model, 'ep')} (tp 1), of 1..16")
+        if mode == "native" and self.cp > 1:
+            bad.append(f"trainer.cp={self.cp}: megatron-core's local attention and GDN (the native set) have no "
+                       "context parallelism without Transformer Engine; run mode native at cp=1 (e.g. "
+                       "trainer.backend: {native: hf, isoexec: megatron}) or drop native from rl.modes")
         if mode == "isoexec":
-            domain = proven_topology(mode, device)
-            what = {"sp": "sequence-parallel degree (tp when sp is on)", "dp": "data-parallel replicas"}
-            bad += [f"trainer layout {layout.name}: {what[dim] + ' ' if dim in what else ''}{dim}={d} is outside the isoexec kernel "
-                    f"set's proven domain {list(domain.get(dim, (1,)))} (the contract's topology claim)"
-                    for dim, d in layout.degrees().items() if d not in domain.get(dim, (1,))]
+            what = {"sp": "sequence-parallel degree (tp when sp is on) ", "dp": "data-parallel replicas "}
+            bad += [f"trainer layout {layout.name}: {what.get(p.split('=')[0], '')}{p}"
+                    for p in topology_problems(mode, device, layout.degrees())]
         return bad
 
 
@@ -339,6 +346,18 @@ class EngineSection(_Section):
     num_engines: PositiveInt = Field(
         1, description="SkyRL driver: data-parallel engine replicas, each a one-thread vLLM engine in its own "
         "Ray actor; a batch's prompts are split into contiguous shards, one per engine"
+    )
+    # GPU (vLLM CUDA) settings; vLLM's defaults where None
+    native_cuda_graphs: bool = Field(
+        False, description="native engine with vLLM's torch.compile + CUDA graphs (its best GPU settings); the "
+        "isoexec engine always runs eager (a captured graph would replay the model's dummy forward)"
+    )
+    gpu_memory_utilization: float | None = Field(None, gt=0, le=1, description="vLLM gpu_memory_utilization")
+    kv_cache_memory_bytes: PositiveInt | None = Field(
+        None, description="vLLM kv_cache_memory_bytes: a fixed KV budget instead of one sized by profiling"
+    )
+    gdn_prefill_backend: Literal["triton", "flashinfer"] | None = Field(
+        None, description="vLLM's GDN prefill kernels for the native engine on GPU (triton where FlashInfer is absent)"
     )
 
 
@@ -378,8 +397,10 @@ class ArmSection(_Section):
 class SkyRLSection(_Section):
     """A GPU-node run through SkyRL's own entry point (``isoexec rl skyrl-launch``; isoexec.rl.skyrl.render).
 
-    SkyRL's Megatron policy worker trains, SkyRL's vLLM servers generate (isoexec mode: with the
-    isoexec plugin's architecture); the ``rl`` section gives the algorithm, this one the cluster.
+    SkyRL's vLLM servers generate. The native arm trains with SkyRL's stock Megatron worker at
+    ``megatron_tp`` x ``megatron_ep`` on ``num_gpus`` GPUs, with ``inference_engines`` x ``inference_tp``
+    GPUs of servers; the isoexec arm trains with isoexec's policy worker at the ``trainer`` section's
+    layout, one isoexec server per trainer GPU. The ``rl`` section gives the algorithm.
     """
 
     model_path: str = Field(description="Hugging Face id or directory of the policy checkpoint")
@@ -387,10 +408,10 @@ class SkyRLSection(_Section):
     env_class: str = Field("aime", description="skyrl-gym env scoring the responses (aime: the DAPO-Math verifier)")
     num_gpus: PositiveInt = 8
     colocate: bool = Field(True, description="trainer and vLLM servers share the GPUs (SkyRL colocate_all)")
-    megatron_tp: PositiveInt = 1
-    megatron_ep: PositiveInt = 1
-    inference_engines: PositiveInt = 1
-    inference_tp: PositiveInt = 8
+    megatron_tp: PositiveInt = Field(1, description="native arm: SkyRL's Megatron tensor-parallel degree")
+    megatron_ep: PositiveInt = Field(1, description="native arm: SkyRL's Megatron expert-parallel degree")
+    inference_engines: PositiveInt = Field(1, description="native arm: vLLM servers")
+    inference_tp: PositiveInt = Field(8, description="native arm: tensor-parallel degree of each vLLM server")
     max_prompt_length: PositiveInt = 2048
     micro_batch_size: PositiveInt = 1
     gpu_memory_utilization: PositiveFloat = 0.6
@@ -519,16 +540,30 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
+    """``json.load`` hook refusing a key given twice in one object (JSON would keep the last silently)."""
+    keys = [k for k, _ in pairs]
+    twice = sorted({k for k in keys if keys.count(k) > 1})
+    if twice:
+        raise ValueError(f"duplicate key {twice[0]!r}")
+    return dict(pairs)
+
+
 def load_config(path: str | Path) -> ExperimentConfig:
-    """Load and validate an experiment YAML.
+    """Load and validate an experiment YAML, or a settings record ``results/<exp>/experiment.json``
+    (:mod:`isoexec.settings`; a ``.json`` file is read as JSON): a run can be repeated from its record.
 
     Raises:
-        FileNotFoundError: the file does not exist.
-        ValueError: the YAML is malformed, a key is duplicated or unknown, a value has a wrong type or
-            is out of range, or sections contradict each other; the message names the file and every
-            offending key.
+        FileNotFoundError: the file does not exist (the message lists the YAML files of its folder).
+        ValueError: the path is a folder, the YAML (JSON) is malformed, a key is duplicated or unknown,
+            a value has a wrong type or is out of range, or sections contradict each other; the message
+            names the file and every offending key.
     """
     path = Path(path)
+    if path.is_dir():
+        there = sorted(p.name for p in path.glob("*.yaml"))
+        raise ValueError(f"experiment config {str(path)!r} is a folder; pass one YAML file"
+                         + (f", e.g. {path / there[0]} ({path}/ holds {', '.join(there)})" if there else ""))
     if not path.is_file():
         folder = path.parent
         there = sorted(p.name for p in folder.glob("*.yaml")) if folder.is_dir() else []
@@ -536,9 +571,14 @@ def load_config(path: str | Path) -> ExperimentConfig:
         raise FileNotFoundError(f"experiment config {str(path)!r} does not exist{hint}")
     try:
         with path.open() as f:  # a stream: YAML errors name the file
-            raw = yaml.load(f, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+            if path.suffix == ".json":
+                raw = json.load(f, object_pairs_hook=_unique_keys)
+            else:
+                raw = yaml.load(f, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as e:
         raise ValueError(f"{path}: not valid YAML: {e}") from None
+    except ValueError as e:  # json.JSONDecodeError is one
+        raise ValueError(f"{path}: not valid JSON: {e}") from None
     if not isinstance(raw, dict):
         raise ValueError(f"{path}: expected a mapping at top level, got {type(raw).__name__}")
     try:

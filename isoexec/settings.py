@@ -26,10 +26,27 @@ from isoexec.config import ExperimentConfig, load_config
 RECORD = "experiment.json"
 """File name of the record inside ``results/<exp>/``."""
 
+CONFIG_OPTION = typer.Option(..., "--config", metavar="FILE",
+                             help="the experiment: a YAML file such as experiments/cpu-tiny.yaml, or the "
+                             "settings record results/<exp>/experiment.json")
+"""The ``--config`` option of every command that runs an experiment (required everywhere)."""
+
 
 def settings_record(cfg: ExperimentConfig) -> dict[str, Any]:
     """The validated config as JSON-ready data, every default filled in."""
     return cfg.model_dump(mode="json")
+
+
+def record_text(cfg: ExperimentConfig) -> str:
+    """:func:`settings_record` as the text of ``experiment.json`` (sorted keys, two-space indent)."""
+    return json.dumps(settings_record(cfg), indent=2, sort_keys=True) + "\n"
+
+
+def write_record(cfg: ExperimentConfig, path: str | Path) -> Path:
+    """Write ``cfg``'s settings record to ``path`` (atomically); returns the path."""
+    from isoexec.io import atomic_write_text
+
+    return atomic_write_text(Path(path), record_text(cfg))
 
 
 def _leaves(obj: Any, prefix: str = "") -> dict[str, Any]:
@@ -111,15 +128,14 @@ def settings_conflict(cfg: ExperimentConfig, config_path: str | Path) -> str | N
 
 
 def config_command(
-    config: str = typer.Option(..., help="experiment YAML"),
-    out: str = typer.Option(None, help="write the record to this file (reproduce writes results/<exp>/experiment.json)"),
+    config: Path = CONFIG_OPTION,
+    out: Path = typer.Option(None, metavar="FILE", help="write the record to this file instead of printing it "
+                             "(reproduce writes results/<exp>/experiment.json)"),
 ) -> None:
-    """Print the validated experiment config, defaults filled in (the settings record of its results)."""
-    from isoexec.io import atomic_write_text
-
-    text = json.dumps(settings_record(load_config(config)), indent=2, sort_keys=True) + "\n"
+    """Print the validated experiment config with every default filled in: the settings record of its results."""
+    cfg = load_config(config)
     if out is None:
-        typer.echo(text, nl=False)
+        typer.echo(record_text(cfg), nl=False)
     else:
-        atomic_write_text(Path(out), text)
+        write_record(cfg, out)
         typer.echo(f"wrote {out}")

@@ -1,4 +1,7 @@
-"""Fixtures for the engine tests: a stand-in with ``isoexec.model.UnifiedModel``'s engine API.
+"""Fixtures for the engine tests: a stand-in with ``isoexec.model.UnifiedModel``'s engine API, and the
+module-scoped checkpoint, trainer and engines the vLLM test modules share (import them into a module:
+each module then gets its own; in-process engines live until the module ends, see
+``RolloutEngine.shutdown``).
 
 ``ToyUnifiedModel`` is used only while ``isoexec.model.UnifiedModel`` is not importable. It reads
 the Hugging Face Qwen3-Next checkpoint's embedding and lm_head (same names, so weight sync works on
@@ -14,9 +17,13 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pytest
 import torch
 import torch.nn as nn
 from safetensors.torch import load_file
+
+TOY = "tests.engine_fixtures:ToyUnifiedModel"
+"""``model_factory`` of an isoexec engine running :class:`ToyUnifiedModel`."""
 
 
 @dataclass
@@ -41,7 +48,7 @@ class ToyUnifiedModel(nn.Module):
         self.hidden = hidden
 
     @classmethod
-    def from_pretrained(cls, path, kernel_set: str = "isoexec", kernels=None, tag: str = "toy"):
+    def from_pretrained(cls, path, kernel_set: str = "isoexec", kernels=None, device: str = "cpu", tag: str = "toy"):
         cfg = json.loads((Path(path) / "config.json").read_text())
         temperature = kernels.temperature if kernels is not None else 1.0
         m = cls(cfg["vocab_size"], cfg["hidden_size"], temperature, tag)
@@ -51,7 +58,7 @@ class ToyUnifiedModel(nn.Module):
             sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
         own = {k: sd[k] for k in ("model.embed_tokens.weight", "lm_head.weight")}
         m.load_state_dict(own, strict=True)
-        return m
+        return m.to(device)
 
     def contract(self):
         from isoexec.contract import CASES, Claims, CompositionEntry, ExecutionContract, F32
@@ -103,4 +110,47 @@ class ToyUnifiedModel(nn.Module):
 
 
 def toy_factory_name() -> str:
-    return "tests.engine_fixtures:ToyUnifiedModel"
+    return TOY
+
+
+def engine_section():
+    """A small engine: 8 sequences, a 64-token step budget (chunked prefill), 256 positions."""
+    from isoexec.config import EngineSection
+
+    return EngineSection(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    """A tiny untied Qwen3-Next checkpoint (vocabulary 256) the module's engines and trainers load."""
+    from isoexec.config import ModelSection
+    from isoexec.model.hf import build_checkpoint
+
+    return build_checkpoint(tmp_path_factory.mktemp("engine") / "tiny", ModelSection(), vocab_size=256)
+
+
+@pytest.fixture(scope="module")
+def toy_trainer(ckpt):
+    return ToyUnifiedModel.from_pretrained(ckpt)
+
+
+@pytest.fixture(scope="module")
+def toy_engine(ckpt):
+    """An isoexec engine running the stand-in (:data:`TOY`)."""
+    from isoexec.engines.vllm_engine import RolloutEngine
+
+    e = RolloutEngine(ckpt, "isoexec", engine_section(), model_factory=TOY)
+    yield e
+    e.shutdown()
+
+
+@pytest.fixture(scope="module")
+def native_engine(ckpt):
+    """vLLM's own Qwen3-Next on the checkpoint. Module-scoped like the others: an in-process vLLM engine's
+    shutdown (or garbage collection) tears down vLLM's process-global distributed state, which breaks every
+    other live engine."""
+    from isoexec.engines.vllm_engine import RolloutEngine
+
+    e = RolloutEngine(ckpt, "native", engine_section())
+    yield e
+    e.shutdown()

@@ -52,8 +52,23 @@ def test_pik_row_parallel_bench_checks_bits_beside_the_times():
 def test_layout_names():
     from isoexec.trainer.megatron.config import Layout
 
-    assert [lay.name for lay in (Layout(), Layout(tp=2, sp=True), Layout(ep=2), Layout(tp=2, sp=True, ep=2))] == [
-        "tp1", "tp2_sp", "ep2", "tp2_sp_ep2"]
+    assert [lay.name for lay in (Layout(), Layout(tp=2, sp=True), Layout(ep=2), Layout(tp=2, sp=True, ep=2),
+                                 Layout(cp=2), Layout(tp=2, sp=True, cp=4))] == [
+        "tp1", "tp2_sp", "ep2", "tp2_sp_ep2", "tp1_cp2", "tp2_sp_cp4"]
+
+
+def test_cp_step_bench_checks_the_cp_rows_against_cp1_beside_the_times():
+    """The CP step table (tiny sizes here): CP 2 against CP 1 in alternating launches, the CP rows
+    torch.equal to CP 1's, the ratios formed from the two medians."""
+    from isoexec.bench.megatron_cpu import bench_model, cp_step_times
+    from isoexec.config import load_config
+
+    cfg = load_config(ROOT / "experiments" / "cpu-cp2.yaml")
+    hf_cfg, state = bench_model(cfg)
+    rows = cp_step_times(hf_cfg, state, cfg.trainer.layout(), cfg.kernels, sizes=(100,), repeats=1)
+    assert [(r["layout"], r["world_size"]) for r in rows] == [("tp1", 1), ("tp1_cp2", 2)]
+    assert all(r["rows_equal_cp1"] for r in rows), rows
+    assert rows[0]["step_ratio_over_cp1"] == 1.0 and rows[1]["step_s"] > 0
 
 
 def test_timed_kernel_set_times_every_region_call_and_keeps_the_bits():

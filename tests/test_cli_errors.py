@@ -132,3 +132,45 @@ def test_a_union_setting_is_one_problem_without_pydantic_type_names(tmp_path):
     assert_one_error_line(r, "trainer.backend='megatronx': Input should be 'hf', 'unified' or 'megatron'")
     out = r.stdout + r.stderr
     assert "literal[" not in out and out.count("trainer.backend") == 1, out
+
+
+@pytest.mark.parametrize("command, wrong", [
+    ("sft", ("--steps", "-5")),  # was: exit 0, an untrained checkpoint and a bare NaN in sft_metrics.json
+    ("sft", ("--threads", "0")),  # was: an internal error, exit 1
+    ("train", ("--mode", "native", "--seed", "0", "--threads", "0")),
+    ("init-model", ("--threads", "0")),
+])
+def test_counts_below_one_are_refused_before_anything_runs(tmp_path, command, wrong):
+    out = tmp_path / "out"
+    init = () if command == "init-model" else ("--init", tmp_path)
+    r = invoke("rl", command, "--config", ROOT / "experiments" / "ci-tiny.yaml", *init, "--out", out, *wrong)
+    assert_one_error_line(r, f"isoexec rl {command}", f"'{wrong[-2]}' ('{wrong[-1]}')", "greater than or equal to 1")
+    assert not out.exists()
+
+
+def test_a_folder_given_as_config_is_one_line_naming_a_file_there():
+    r = invoke("config", "--config", ROOT / "experiments")
+    assert_one_error_line(r, "is a folder; pass one YAML file", "experiments/ holds", "cpu-tiny.yaml")
+
+
+@pytest.mark.parametrize("command", ["gates", "bench", "rollout-check", "config"])
+def test_every_experiment_command_requires_config_alike(command):
+    """No command falls back to a default experiment: the same --config, required everywhere."""
+    assert_one_error_line(invoke(command), f"isoexec {command}", "Missing option '--config'")
+
+
+def test_gates_and_rollout_check_write_outside_the_committed_results_unless_asked(tmp_path, monkeypatch):
+    """`isoexec gates --config experiments/cpu-tiny.yaml` as a user types it: runs/<exp>/, not results/<exp>/."""
+    import isoexec.engines.rollout_check as rc
+    import isoexec.model.gates as gates
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(gates, "gate_matrix", lambda cfg, echo: ([], None))
+    monkeypatch.setattr(rc, "run_mode", lambda cfg, mode, ckpt, model_factory=None: {"mode": mode})
+    cfg = ROOT / "experiments" / "cpu-tiny.yaml"
+    assert invoke("gates", "--config", cfg).exit_code == 0
+    assert invoke("rollout-check", "--config", cfg, "--checkpoint", tmp_path).exit_code == 0
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*") if p.is_file()) == [
+        "runs/cpu-tiny/gates/gates.csv", "runs/cpu-tiny/gates/gates.provenance.json", "runs/cpu-tiny/rollout_check.json"]
+    assert invoke("gates", "--config", cfg, "--out-dir", "results/cpu-tiny").exit_code == 0  # asked for
+    assert (tmp_path / "results" / "cpu-tiny" / "gates.csv").is_file()

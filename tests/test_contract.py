@@ -391,9 +391,9 @@ RULES = [
     ),
     (
         "unknown dim",
-        dict(claims=claims(topology={"cp": TopologyClaim(pinned=1)})),
-        "claims.topology.cp",
-        "unknown parallel dimension 'cp'",
+        dict(claims=claims(topology={"vpp": TopologyClaim(pinned=1)})),
+        "claims.topology.vpp",
+        "unknown parallel dimension 'vpp'",
     ),
     (
         "unknown state",

@@ -32,16 +32,26 @@ def test_verify_hand_edited_file_fails_naming_the_field(saved):
     text = saved.read_text()
     saved.write_text(text.replace('"chunk_size":64', '"chunk_size":32'))
     r = run("verify", saved)
-    assert r.exit_code == 1
+    assert r.exit_code == 2
     assert "composition[gdn.core].constants.chunk_size" in r.output
     assert "numerical_policy" in r.output
     assert "OK" not in r.output
+    assert r.output.startswith("error: ") and r.output.count("\n") == 1
+
+
+def test_every_command_refuses_a_hand_edited_file_alike(saved, tmp_path):
+    """verify, diff and show on the same edited file: the same one line and exit status 2."""
+    good = save(make(), tmp_path / "good.json")
+    saved.write_text(saved.read_text().replace('"chunk_size":64', '"chunk_size":32'))
+    results = [run("verify", saved), run("diff", good, saved), run("show", saved)]
+    assert {r.exit_code for r in results} == {2}
+    assert len({r.output for r in results}) == 1, [r.output for r in results]
 
 
 def test_verify_malformed_file_fails_with_position(saved):
     saved.write_text('{\n  "cases": [\n')
     r = run("verify", saved)
-    assert r.exit_code == 2  # unreadable input; 1 is kept for a file whose content was edited
+    assert r.exit_code == 2  # unreadable input, as an edited one
     assert str(saved) in r.output and "malformed JSON" in r.output and "line 3" in r.output
     assert r.output.startswith("error: ") and r.output.count("\n") == 1
 

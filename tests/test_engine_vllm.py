@@ -29,18 +29,13 @@ from isoexec.model.hf import build_checkpoint  # noqa: E402
 from isoexec.engines.rollout_check import compare, make_prompts, trainer_rows  # noqa: E402
 from isoexec.engines.vllm_engine import RolloutEngine, _flat_logprobs  # noqa: E402
 from isoexec.engines.weight_sync import state_checksums  # noqa: E402
+from tests.engine_fixtures import TOY, ckpt, engine_section, native_engine, toy_trainer  # noqa: E402,F401 (fixtures)
 
 pytestmark = pytest.mark.vllm
 
-TOY = "tests.engine_fixtures:ToyUnifiedModel"
-ENGINE = EngineSection(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256)
+ENGINE = engine_section()
 # 3 KV blocks of 128 tokens for 8 requests of up to ~170 tokens: the scheduler must preempt.
 PREEMPT = EngineSection(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256, num_kv_blocks_override=3)
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return build_checkpoint(tmp_path_factory.mktemp("engine") / "tiny", ModelSection(), vocab_size=256)
 
 
 @pytest.fixture(scope="module")
@@ -57,24 +52,8 @@ def toy_engine(ckpt):
 
 
 @pytest.fixture(scope="module")
-def toy_trainer(ckpt):
-    from tests.engine_fixtures import ToyUnifiedModel
-
-    return ToyUnifiedModel.from_pretrained(ckpt)
-
-
-@pytest.fixture(scope="module")
 def iso_engine(ckpt):
     e = RolloutEngine(ckpt, "isoexec", ENGINE, KernelSection())
-    yield e
-    e.shutdown()
-
-
-@pytest.fixture(scope="module")
-def native_engine(ckpt):
-    # Module-scoped like the others: an in-process vLLM engine's shutdown (or garbage collection)
-    # tears down vLLM's process-global distributed state, which breaks every other live engine.
-    e = RolloutEngine(ckpt, "native", ENGINE)
     yield e
     e.shutdown()
 
@@ -260,7 +239,7 @@ def test_isoexec_accepts_the_policy_sampling_settings_through_vllm_api(toy_engin
 def test_rollout_engine_generate_names_an_unsupported_keyword(toy_engine):
     from isoexec.engines.requests import RequestRefused
 
-    with pytest.raises(RequestRefused, match=r"does not take top_k=5 \(fixed at 0 \(off\)\)\. Accepted keywords: n, "):
+    with pytest.raises(RequestRefused, match=r"does not take top_k=5 \(fixed at 0 or -1\)\. Accepted keywords: n, "):
         toy_engine.generate(GOOD, top_k=5)
     with pytest.raises(RequestRefused, match=r"does not take colour='red' \(not a setting\)"):
         toy_engine.generate(GOOD, colour="red")
@@ -313,7 +292,8 @@ def test_isoexec_model_refuses_an_engine_without_the_per_request_checks(toy_engi
 
     s = engine_settings(toy_engine.llm.llm_engine.vllm_config)
     check_settings(toy_engine.contract, s)  # positive control: the engine as RolloutEngine builds it
-    with pytest.raises(ClaimViolation, match=r"logits_processors=\[\] must include 'isoexec.engines.requests:"):
+    with pytest.raises(ClaimViolation, match=r"logits_processors=\[\] is refused in isoexec mode \(allowed: "
+                                             r"\['isoexec.engines.requests:IsoExecRequestGuard'\]\)"):
         check_settings(toy_engine.contract, dict(s, logits_processors=[]))
     with pytest.raises(ClaimViolation, match="tokenizer_mode='hf'"):
         check_settings(toy_engine.contract, dict(s, tokenizer_mode="hf"))

@@ -1,4 +1,5 @@
-"""The Triton CPR backward's arithmetic on the CPU, through Triton's interpreter (``TRITON_INTERPRET=1``,
+"""Triton kernel-set code on the CPU: the MoE expert-weight cache (plain torch), and the Triton CPR
+backward's arithmetic through Triton's interpreter (``TRITON_INTERPRET=1``,
 numpy; its dots are plain fp32, so tf32 rounding is absent and the gradient must match the fp64
 reference to fp32 accuracy). The GPU test ``tests/test_kernels_triton.py`` checks the compiled kernels.
 
@@ -54,3 +55,22 @@ def test_triton_cpr_backward_equals_the_fp64_gradient_in_the_interpreter(C, dk, 
 def test_interpreted_gradient_check_sees_a_wrong_gradient_negative_control():
     errs = _rel_errors(16, 32, [40, 7], flip=True)  # the reference of -o: every gradient has the wrong sign
     assert min(errs.values()) > 1.0, errs
+
+
+def test_moe_expert_stacks_are_cached_per_layer_and_follow_in_place_updates():
+    """The Triton MoE stacks a layer's expert weights once: two layers alternating keep one stack each
+    (before, one cache slot per weight kind restacked every layer on every call), and an in-place update
+    of any expert (a weight sync) gives a fresh stack. Runs on the CPU: the cache is plain torch."""
+    import torch
+
+    from isoexec.kernels.moe.triton import _stacked
+
+    layers = [[tuple(torch.randn(4, 3) for _ in range(3)) for _ in range(5)] for _ in range(2)]
+    first = [_stacked(ex, 2) for ex in layers]
+    assert all(_stacked(ex, 2) is s for ex, s in zip(layers, first))
+    assert all(torch.equal(s, torch.stack([e[2] for e in ex])) for ex, s in zip(layers, first))
+    with torch.no_grad():
+        layers[1][3][2].add_(1.0)
+    fresh = _stacked(layers[1], 2)
+    assert fresh is not first[1] and torch.equal(fresh[3], layers[1][3][2])
+    assert _stacked(layers[0], 2) is first[0]

@@ -1,4 +1,4 @@
-"""Parallel-invariant kernels (DESIGN §3 "Parallelism invariance (pik)", §5.4): TP/SP/EP outputs are
+"""Parallel-invariant kernels (docs/design.md, "Parallel invariance (pik)"): TP/SP/EP outputs are
 bitwise equal across degrees 1, 2, 4, 8 on gloo process groups (forked local processes), next to the
 native controls that differ.
 

@@ -68,6 +68,8 @@ def test_two_rl_steps_with_a_local_engine_write_every_metric(cfg, ckpt, tmp_path
         assert r["prompt_tokens"] > 8 * 64 and r["seq_len_max"] > 64
     prov = json.loads((out / "provenance.json").read_text())
     assert prov["command"] == "test" and prov["run"]["mode"] == "native"
+    loaded = prov["weights_at_load"]  # both sides' weights at load, compared before the first step
+    assert loaded["engine"] == loaded["trainer"] and loaded["engine"]["tensors"] == len(before)
     # the weight sync reached the engine: its weights are now the trainer's (bf16 of the masters)
     after = engine.policy.checkpoint_state_dict()
     trainer = policy.checkpoint_state_dict()
@@ -114,3 +116,16 @@ def test_isoexec_trainer_with_a_local_engine_of_the_same_unified_model_is_bitwis
     rows = run_rl(cfg, "isoexec", 0, ckpt, tmp_path / "iso", engine=engine, policy=load(), command="test")
     for r in rows:
         assert r["tokens"] > 0 and r["mismatch_count"] == 0 and r["k3_kl"] == 0.0 and r["full_vocab_kl"] == 0.0
+
+
+def test_a_paired_run_whose_engine_holds_other_weights_is_refused_before_any_step(cfg, ckpt, tmp_path):
+    from isoexec.engines.weight_sync import WeightSyncError
+
+    engine = LocalEngine(HFPolicy.from_pretrained(ckpt), load_tokenizer(ckpt).eos_token_id)
+    with torch.no_grad():
+        engine.policy.model.model.norm.weight.add_(1)
+    out = tmp_path / "refused"
+    with pytest.raises(WeightSyncError, match=r"1 tensors differ between the engine and the trainer at load .*"
+                                              r"\['model.norm.weight'\]"):
+        run_rl(cfg, "native", 0, ckpt, out, engine=engine, policy=HFPolicy.from_pretrained(ckpt), command="test")
+    assert not (out / "metrics.jsonl").exists()

@@ -1,4 +1,4 @@
-"""DESIGN §4 metrics on hand-made inputs."""
+"""The metrics of docs/design.md (Metrics) on hand-made inputs."""
 
 import json
 import math

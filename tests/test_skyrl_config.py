@@ -53,3 +53,14 @@ def test_prompts_not_divisible_by_mini_batches_are_refused():
     exp = EXP.model_copy(update={"rl": EXP.rl.model_copy(update={"prompts_per_step": 3})})
     with pytest.raises(ValueError, match="prompts_per_step=3 must be a multiple of rl.mini_batches=2"):
         render.algorithm_overrides(exp)
+
+
+def test_epochs_cover_the_steps_without_a_thousand_passes():
+    """trainer.epochs is what the run can consume (SkyRL logs 'Total steps' as batches x epochs): one batch per
+    step, or up to SkyRL's max_sample_batches per step with dynamic sampling; too few prompts are refused."""
+    plain = EXP.model_copy(update={"rl": EXP.rl.model_copy(update={"dynamic_sampling": False})})
+    assert render.epochs_for(3, 8, plain) == 2 and render.epochs_for(2, 8, plain) == 1  # 2 batches of 4 prompts
+    assert render.epochs_for(3, 8, EXP) == 45  # 3 steps x 30 sampled batches at most / 2 batches per pass
+    assert _cfg().trainer.epochs == render.epochs_for(3, EXP.task.num_train_prompts, EXP) == 1
+    with pytest.raises(ValueError, match="3 prompts, fewer than rl.prompts_per_step=4"):
+        render.epochs_for(1, 3, EXP)

@@ -69,6 +69,8 @@ def test_isoexec_steps_through_skyrl_are_bitwise(ckpt, tmp_path):
     assert r["k3_kl"] == 0.0 and r["full_vocab_kl"] == 0.0
     prov = json.loads((tmp_path / "provenance.json").read_text())
     assert prov["run"]["engines"] == 2
+    loaded = prov["weights_at_load"]  # both engines and the trainer held the same weights at load
+    assert loaded["engine"] == [loaded["trainer"]] * 2 and loaded["trainer"]["tensors"] == 106
     assert prov["run"]["driver"] == "skyrl" and prov["skyrl_overrides"]["trainer.algorithm.eps_clip_high"] == 0.28
 
 
@@ -88,7 +90,8 @@ def test_kernel_setting_changed_on_the_engine_side_only_is_refused(ckpt, tmp_pat
 def test_a_session_reuses_its_actors_with_the_same_bits_and_tis_acts(ckpt, tmp_path):
     """native on fresh actors, isoexec (both sides switch mode), native-tis and native again on the same
     processes: the last native run repeats the first to the bit; native-tis scores the same rollouts
-    (its correction acts only inside the update) and SkyRL's TIS reports from the workers' loss."""
+    (its correction acts only inside the update) and SkyRL's TIS reports from the workers' loss; every run
+    records the load-time weight handshake of its engines and trainer."""
     from isoexec.rl.arms import find_arm
     from isoexec.rl.skyrl.driver import Session
 
@@ -98,7 +101,11 @@ def test_a_session_reuses_its_actors_with_the_same_bits_and_tis_acts(ckpt, tmp_p
         for i, arm in enumerate(("native", "isoexec", "native-tis", "native")):
             out = tmp_path / f"{i}-{arm}"
             rows[i] = session.run(CFG, find_arm(CFG, arm), 0, ckpt, out, 1, command="test")
-            assert json.loads((out / "provenance.json").read_text())["run"]["session_run"] == i
+            prov = json.loads((out / "provenance.json").read_text())
+            assert prov["run"]["session_run"] == i
+            # every run's load-time weight handshake: a kept engine's load of the checkpoint vs the rebuilt trainer
+            loaded = prov["weights_at_load"]
+            assert loaded["engine"] == [loaded["trainer"]] * CFG.engine.num_engines
     assert [timing(r) for r in rows[3]] == [timing(r) for r in rows[0]]
     assert rows[1][0]["mismatch_count"] == 0 and rows[0][0]["mismatch_count"] > 0
     tis, native = rows[2][0], rows[0][0]

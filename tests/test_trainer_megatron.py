@@ -106,17 +106,22 @@ def hf_model():
     return policy, {k: v.clone() for k, v in policy.checkpoint_state_dict().items()}
 
 
-@pytest.fixture(scope="module")
-def runs(hf_model):
-    """{case name: [per-rank results]} from one launch per world size."""
+def run_cases(worker, worlds, hf_state) -> dict:
+    """{case name: [per-rank results]} of ``worker`` from one launch per world size in ``worlds``."""
     from isoexec.trainer.megatron.launch import run
 
     out = {}
-    for world in CASES:
-        ranks = run(_worker, world, hf_model[1])
+    for world in worlds:
+        ranks = run(worker, world, hf_state)
         for name in ranks[0]:
             out[name] = [r[name] for r in ranks]
     return out
+
+
+@pytest.fixture(scope="module")
+def runs(hf_model):
+    """{case name: [per-rank results]} from one launch per world size."""
+    return run_cases(_worker, CASES, hf_model[1])
 
 
 @pytest.fixture(scope="module")
@@ -253,7 +258,8 @@ def test_isoexec_contract_claims_the_proven_topology_and_refuses_others(unified)
 
 def test_rollout_check_scores_through_the_megatron_group(tmp_path, hf_model, unified):
     """``isoexec rollout-check`` with ``trainer.backend: megatron`` scores on the layout's gloo ranks:
-    the isoexec TP=2 rows equal the unified model's (hence the engine's), native TP=2 rows differ."""
+    the isoexec TP=2 rows equal the unified model's (hence the engine's), native TP=2 rows differ; the group
+    reports the checkpoint's own checksums at load (the load-time weight handshake's trainer side)."""
     from isoexec.config import TrainerSection, load_config
     from isoexec.engines.rollout_check import score
     from isoexec.model.hf import save_hf_model
@@ -263,8 +269,12 @@ def test_rollout_check_scores_through_the_megatron_group(tmp_path, hf_model, uni
         update={"trainer": TrainerSection(backend="megatron", tp=2), "kernels": KERNELS})
     ids, cu = _batch()
     seqs = [ids[a:b].tolist() for a, b in zip(cu.tolist(), cu[1:].tolist())]
-    iso = score(cfg, "isoexec", ckpt, seqs)
-    native = score(cfg, "native", ckpt, seqs)
+    iso_held, iso = score(cfg, "isoexec", ckpt, seqs)
+    native_held, native = score(cfg, "native", ckpt, seqs)
+    from isoexec.engines.weight_sync import state_checksums
+    from isoexec.model.hf import read_weights
+
+    assert iso_held == native_held == state_checksums(read_weights(ckpt))  # what the group holds at load, gathered
     ref = unified[0].trainer_logprobs(ids, cu)
     refs = [ref[a:b - 1] for a, b in zip(cu.tolist(), cu[1:].tolist())]
     assert all(torch.equal(x, r) for x, r in zip(iso, refs))

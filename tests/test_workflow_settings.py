@@ -40,6 +40,9 @@ def test_differences_name_each_setting_and_ignore_new_settings_at_their_default(
     older = settings_record(a)
     del older["rl"]["steps"], older["engine"]["max_num_seqs"]  # written before these settings existed
     assert settings_differences(older, a) == ["rl.steps: not recorded -> 2"]  # max_num_seqs is at its default
+    (tmp_path / "m.yaml").write_text(re.sub(r"\n  backend: .*\n  tp: 1\n", "\n  backend: {native: hf, isoexec: unified}\n",
+                                            CI_TINY))
+    a = load_config(tmp_path / "m.yaml")
     assert a.trainer.backend == {"native": "hf", "isoexec": "unified"}  # a per-mode mapping
     one_value = settings_record(a)
     one_value["trainer"]["backend"] = "unified"  # the record has one value where the config has a mapping
@@ -101,3 +104,49 @@ def test_copy_of_the_default_with_other_steps_cannot_touch_the_committed_results
 def test_committed_record_matches_the_default_experiment():
     recorded = json.loads((ROOT / "results" / "cpu-tiny" / "experiment.json").read_text())
     assert settings_differences(recorded, load_config(ROOT / "experiments" / "cpu-tiny.yaml")) == []
+
+
+@pytest.mark.skipif(not SNAKEMAKE.exists(), reason="snakemake not installed beside python")
+def test_a_moved_or_copied_config_with_the_same_settings_reruns_nothing(tmp_path):
+    """The YAML's path is no job parameter (jobs read it from $ISOEXEC_EXPERIMENT; their parameters are the
+    settings digests): the same settings at another path find everything up to date (metadata included)."""
+    (tmp_path / "a.yaml").write_text(CI_TINY)
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "copy.yaml").write_text(CI_TINY)
+    r = snakemake(tmp_path, "--cores", "1", "runs/rec/model/init", "--config", "experiment=a.yaml")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert 'isoexec rl init-model --config "$ISOEXEC_EXPERIMENT"' in r.stdout + r.stderr
+    for how in (["--config", "experiment=elsewhere/copy.yaml"], ["--configfile", "elsewhere/copy.yaml"]):
+        again = snakemake(tmp_path, "-n", "runs/rec/model/init", *how)
+        assert again.returncode == 0 and "Nothing to be done" in again.stdout + again.stderr, again.stdout + again.stderr
+    (tmp_path / "elsewhere" / "copy.yaml").write_text(CI_TINY.replace("  hidden_size: 128\n", "  hidden_size: 256\n")
+                                                      .replace("name: rec", "name: rec2"))
+    other = snakemake(tmp_path, "-n", "runs/rec2/model/init", "--config", "experiment=elsewhere/copy.yaml")
+    assert "init_model" in other.stdout  # negative control: other settings, other results
+
+
+@pytest.mark.skipif(not SNAKEMAKE.exists(), reason="snakemake not installed beside python")
+def test_zero_rl_steps_are_refused_before_any_job(tmp_path):
+    (tmp_path / "z.yaml").write_text(CI_TINY.replace("  steps: 2\n", "  steps: 0\n"))
+    r = snakemake(tmp_path, "-n", "reproduce", "--config", "experiment=z.yaml")
+    assert r.returncode == 2 and "Job stats" not in r.stdout, r.stdout + r.stderr
+    [line] = errors(r)
+    assert "rl.steps=0" in line and "greater than 0" in line
+
+
+def test_untracked_experiment_outputs_are_ignored_and_committed_ones_kept():
+    """results/<exp>/ of an experiment a user runs (ci-tiny, a renamed copy) is ignored by git; every committed
+    results folder stays visible to git (a new file there is not ignored)."""
+    if not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+
+    def ignored(path: str) -> bool:
+        return subprocess.run(["git", "check-ignore", "-q", path], cwd=ROOT).returncode == 0
+
+    tracked = subprocess.run(["git", "ls-files", "results"], cwd=ROOT, capture_output=True, text=True).stdout.split()
+    committed = sorted({p.split("/")[1] for p in tracked})
+    assert committed and "cpu-tiny" in committed
+    for name in committed:
+        assert not ignored(f"results/{name}/new-table.csv"), name
+    for name in ("ci-tiny", "my-copy-of-cpu-tiny"):
+        assert ignored(f"results/{name}/tables/main.md"), name

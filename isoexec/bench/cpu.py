@@ -28,6 +28,8 @@ from pathlib import Path
 import torch
 import typer
 
+from isoexec.settings import CONFIG_OPTION
+
 
 def _cases(model, seqs, decode_seqs: int, decode_steps: int):
     vocab = model.config.vocab_size
@@ -127,7 +129,7 @@ def region_breakdown(models: dict, cases: dict, repeats: int) -> list[dict]:
 
 
 def bench_command(
-    config: str = typer.Option("experiments/cpu-tiny.yaml", help="experiment YAML (its model and kernels)"),
+    config: Path = CONFIG_OPTION,
     repeats: int = typer.Option(5, min=1, help="timed repeats per case and kernel set (the median is reported)"),
     batch: int = typer.Option(8, min=1, help="sequences per trainer / prefill batch"),
     seq_len: int = typer.Option(128, min=1, help="tokens per sequence"),
@@ -137,6 +139,8 @@ def bench_command(
     out_dir: str = typer.Option(None, help="folder for model_throughput.csv and its provenance (default: "
                                            "runs/<exp>/bench/, not committed; pass results/<exp>/bench to "
                                            "replace the committed reference)"),
+    what: str = typer.Option("all", help="CPU: all (every table) | cp-step (only cp_step.csv: the Megatron "
+                                         "trainer at trainer.cp against CP 1 on 4k, 8k, 16k-token sequences)"),
 ) -> None:
     """Tokens/s of isoexec vs native kernel sets on the experiment's model; prints and writes a CSV.
 
@@ -156,7 +160,11 @@ def bench_command(
             raise ValueError(f"{config}: device: cuda needs a visible CUDA device; torch {torch.__version__} sees none")
         from isoexec.bench.gpu import gpu_bench_command
 
-        return gpu_bench_command(config, str(out), "bench")
+        return gpu_bench_command(str(config), str(out), "bench")
+    if what not in ("all", "cp-step"):
+        raise ValueError(f"--what {what!r}; allowed on CPU: 'all', 'cp-step'")
+    if what == "cp-step":
+        return _cp_step(cfg, config, out, repeats)
     vocab = cfg.model.vocab_size or 256
     models = {ks: random_model(cfg.model, cfg.kernels, ks, vocab_size=vocab, device=cfg.device) for ks in ("isoexec", "native")}
     gen = torch.Generator().manual_seed(0)
@@ -204,3 +212,25 @@ def bench_command(
             atomic_write_text(out / f"{name}.provenance.json", prov)
             for r in table:
                 typer.echo(f"{name}: " + "  ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in r.items()))
+
+
+def _cp_step(cfg, config: str, out: Path, repeats: int) -> None:
+    """``cp_step.csv`` alone (:func:`isoexec.bench.megatron_cpu.cp_step_times`) for the experiment's layout.
+
+    Raises:
+        ValueError: the experiment's isoexec mode does not train with Megatron at ``trainer.cp > 1``.
+    """
+    from isoexec.bench.megatron_cpu import bench_model, cp_step_times
+    from isoexec.io import atomic_write_text, write_csv
+    from isoexec.provenance import provenance
+
+    if cfg.trainer.backend_for("isoexec") != "megatron" or cfg.trainer.cp == 1:
+        raise ValueError(f"{config}: --what cp-step times trainer.backend megatron (isoexec mode) at trainer.cp > 1; "
+                         f"this experiment has backend {cfg.trainer.backend_for('isoexec')!r}, cp={cfg.trainer.cp}")
+    hf_cfg, state = bench_model(cfg)
+    rows = cp_step_times(hf_cfg, state, cfg.trainer.layout(), cfg.kernels, repeats=repeats)
+    write_csv(out / "cp_step.csv", rows)
+    atomic_write_text(out / "cp_step.provenance.json", json.dumps(provenance(), indent=2, sort_keys=True) + "\n")
+    for r in rows:
+        typer.echo(f"cp_step tokens {r['tokens']:6d} {r['layout']:10s} score {r['score_s']:7.2f} s  step {r['step_s']:7.2f} s  "
+                   f"step ratio over CP 1 {r['step_ratio_over_cp1']:.2f}  rows equal CP 1: {r['rows_equal_cp1']}")

@@ -13,8 +13,15 @@ the experiment's ``trainer.backend`` is ``megatron`` (any mode).
   :func:`~isoexec.kernels.collectives.pik.pik_linear` on the full tensors; the native TP=2 result
   against the full GEMM as the negative control).
 
-Both run the two implementations interleaved in the same processes, so the ratios compare like with like
-on a shared machine. The GPU counterparts (NCCL) are :mod:`isoexec.bench.megatron_gpu` and
+* ``cp_step.csv`` (:func:`cp_step_times`, when ``trainer.cp > 1``): seconds per ``trainer_score`` and per
+  trainer step of the isoexec set at the experiment's context-parallel layout against the same layout at
+  CP 1, on one sequence of 4k, 8k and 16k tokens, with the bitwise check of the CP rows against CP 1's
+  beside the times. The two layouts have different world sizes, so they run in alternating launches of
+  local gloo processes (CP 1, CP n, CP 1, ...; one intra-op thread per rank), each launch warmed up on a
+  short sequence first.
+
+The first two run the two implementations interleaved in the same processes, so the ratios compare like
+with like on a shared machine. The GPU counterparts (NCCL) are :mod:`isoexec.bench.megatron_gpu` and
 :mod:`isoexec.bench.pik_gpu`.
 """
 
@@ -88,6 +95,79 @@ def step_times(hf_config, hf_state: dict[str, torch.Tensor], layouts: dict[str, 
     return rows
 
 
+def _cp_worker(rank, world, layout, hf_config, hf_state, kernels, dtype, sizes, keep_rows):
+    from isoexec.trainer.megatron.launch import init_parallel
+    from isoexec.trainer.megatron.trainer import MegatronTrainer
+
+    init_parallel(layout)
+    t = MegatronTrainer(hf_config, layout, "isoexec", kernels, dtype, lr=0.0)  # every step keeps the weights
+    t.load_hf_state_dict(hf_state)
+    out = {}
+    for n in (64, *sizes):  # the first (64 tokens) is the launch's warm-up, not reported
+        ids = torch.randint(0, hf_config.vocab_size, (n,), generator=torch.Generator().manual_seed(n))
+        cu = torch.tensor([0, n])
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            rows = t.trainer_logprobs(ids, cu, grad=False)
+        t1 = time.perf_counter()
+        lp = t.trainer_logprobs(ids, cu, grad=True)
+        (-lp[torch.arange(n - 1), ids[1:]].mean()).backward()
+        t.step()
+        out[n] = {"score_s": t1 - t0, "step_s": time.perf_counter() - t1, "rows": rows if keep_rows and rank == 0 else None}
+    return out
+
+
+def cp_step_times(hf_config, hf_state: dict[str, torch.Tensor], layout: Layout, kernels=None,
+                  dtype: torch.dtype = torch.bfloat16, sizes=(4096, 8192, 16384), repeats: int = 3) -> list[dict]:
+    """Seconds per ``trainer_score`` and per trainer step (``trainer_fwd`` + backward + optimizer step) of the
+    isoexec set at ``layout`` (``cp > 1``) and at the same layout with ``cp = 1``, one sequence per step.
+    The optimizer runs at learning rate 0 (the same work; the weights stay those loaded), so every step
+    of both layouts scores the same policy.
+
+    Args:
+        hf_config, hf_state: the model. layout: the context-parallel layout. kernels: ``KernelSection``.
+        dtype: parameter dtype. sizes: sequence lengths (tokens). repeats: alternating launch pairs.
+
+    Returns:
+        One row per (tokens, layout): ``tokens``, ``layout``, ``cp``, ``world_size``, ``score_s`` and
+        ``step_s`` (medians over the repeats of the slowest rank), ``step_ratio_over_cp1`` and
+        ``score_ratio_over_cp1``, ``step_s_min`` / ``step_s_max`` (the spread over the repeats: other work
+        on the machine takes cores from the CP ranks), ``rows_equal_cp1`` (the first repeat's
+        trainer_score rows ``torch.equal`` to CP 1's), ``repeats``.
+
+    Raises:
+        ValueError: ``layout.cp == 1``; ValueError / ClaimViolation from the trainer.
+    """
+    import dataclasses
+
+    from isoexec.trainer.megatron.launch import run
+
+    if layout.cp == 1:
+        raise ValueError(f"cp_step_times needs a context-parallel layout, got {layout}")
+    pair = {"cp1": dataclasses.replace(layout, cp=1), "cp": layout}
+    times = {k: {n: {"score_s": [], "step_s": []} for n in sizes} for k in pair}
+    rows = {}
+    for i in range(repeats):
+        for k, lay in pair.items():
+            ranks = run(_cp_worker, lay.world_size, lay, hf_config, hf_state, kernels, dtype, tuple(sizes), i == 0)
+            for n in sizes:
+                for key in ("score_s", "step_s"):
+                    times[k][n][key].append(max(r[n][key] for r in ranks))
+                if i == 0:
+                    rows[(k, n)] = ranks[0][n]["rows"]
+    out = []
+    for n in sizes:
+        med = {k: {key: statistics.median(v) for key, v in times[k][n].items()} for k in pair}
+        for k, lay in pair.items():
+            out.append({"tokens": n, "layout": lay.name, "cp": lay.cp, "world_size": lay.world_size,
+                        "score_s": med[k]["score_s"], "step_s": med[k]["step_s"],
+                        "score_ratio_over_cp1": med[k]["score_s"] / med["cp1"]["score_s"],
+                        "step_ratio_over_cp1": med[k]["step_s"] / med["cp1"]["step_s"],
+                        "step_s_min": min(times[k][n]["step_s"]), "step_s_max": max(times[k][n]["step_s"]),
+                        "rows_equal_cp1": torch.equal(rows[(k, n)], rows[("cp1", n)]), "repeats": repeats})
+    return out
+
+
 def row_parallel_shapes(model, trainer_rows: int, decode_rows: int) -> list[tuple[str, int, int, int]]:
     """``(region, rows, K, N)`` of the model's row-parallel GEMMs (``model``: a ModelSection), each at
     ``trainer_rows`` and at ``decode_rows`` rows."""
@@ -158,25 +238,35 @@ def row_parallel_times(shapes: list[tuple[str, int, int, int]], leaves: int, row
     return rows
 
 
-def megatron_bench(cfg, out, repeats: int, batch: int, seq_len: int) -> dict[str, list[dict]]:
-    """Both tables for experiment ``cfg`` (an ``ExperimentConfig``) written under ``out``.
-
-    The model is ``cfg.model`` with random weights (a checkpoint of :func:`isoexec.model.hf.build_checkpoint`);
-    the steps run ``batch`` sequences of ``seq_len`` tokens; the row-parallel GEMMs run at
-    ``batch * seq_len`` trainer rows and ``batch`` decode rows.
-
-    Returns:
-        ``{"megatron_step": rows, "pik_row_parallel": rows}`` as written to ``<out>/<name>.csv``.
-    """
+def bench_model(cfg):
+    """``(transformers config, HF-named weights)`` of ``cfg.model`` with random weights, through the on-disk
+    checkpoint names as training loads them (:func:`isoexec.model.hf.build_checkpoint`)."""
     import tempfile
 
-    from isoexec.io import write_csv
     from isoexec.model.hf import build_checkpoint, read_config, read_weights
 
-    with tempfile.TemporaryDirectory() as tmp:  # the on-disk checkpoint names, as training loads them
+    with tempfile.TemporaryDirectory() as tmp:
         ckpt = build_checkpoint(f"{tmp}/init", cfg.model)
-        hf_cfg, state = read_config(ckpt), read_weights(ckpt)
-    layouts = {lay.name: lay for lay in (Layout(), cfg.trainer.layout())}
+        return read_config(ckpt), read_weights(ckpt)
+
+
+def megatron_bench(cfg, out, repeats: int, batch: int, seq_len: int) -> dict[str, list[dict]]:
+    """The tables for experiment ``cfg`` (an ``ExperimentConfig``) written under ``out``.
+
+    The model is ``cfg.model`` with random weights (:func:`bench_model`); the steps run ``batch`` sequences
+    of ``seq_len`` tokens; the row-parallel GEMMs run at ``batch * seq_len`` trainer rows and ``batch``
+    decode rows. A context-parallel layout (``trainer.cp > 1``, which the native set cannot run) is timed
+    by :func:`cp_step_times` instead of in ``megatron_step``.
+
+    Returns:
+        ``{"megatron_step": rows, "pik_row_parallel": rows}`` (and ``"cp_step"`` under CP) as written to
+        ``<out>/<name>.csv``.
+    """
+    from isoexec.io import write_csv
+
+    hf_cfg, state = bench_model(cfg)
+    layout = cfg.trainer.layout()
+    layouts = {lay.name: lay for lay in (Layout(), layout if layout.cp == 1 else Layout())}
     tables = {
         "megatron_step": step_times(hf_cfg, state, layouts, kernels=cfg.kernels, batch_size=batch, seq_len=seq_len,
                                     repeats=repeats),
@@ -184,6 +274,8 @@ def megatron_bench(cfg, out, repeats: int, batch: int, seq_len: int) -> dict[str
                                                cfg.kernels.leaves, cfg.kernels.row_tile,
                                                tp=max(2, cfg.trainer.tp), repeats=max(repeats, 10)),
     }
+    if layout.cp > 1:
+        tables["cp_step"] = cp_step_times(hf_cfg, state, layout, cfg.kernels, repeats=repeats)
     for name, rows in tables.items():
         write_csv(out / f"{name}.csv", rows)
     return tables

@@ -1,15 +1,19 @@
 """One RL step on one GPU, isoexec vs native kernel sets on the same harness: generation through the
 unified model's engine path, scoring, and the policy update (forward + backward + optimizer).
 
+"native" here is the unified model's own Python loops with stock kernels (SDPA, fla, cuBLAS), not vLLM:
+its generation ratio says how the Triton set compares with stock kernels in this loop, not how IsoExec
+compares with a production engine. ``isoexec.bench.vllm_gpu`` measures generation against vLLM's own engine.
+
 ``python -m isoexec.bench.rl_step --config experiments/h200-rlstep.yaml --out results/h200/rl_step.csv``
 
-The step (DESIGN §4 timing names): ``time/generation`` — ``P`` prompts, each sampled ``G`` times
+The step (timing names of docs/design.md, Metrics): ``time/generation`` — ``P`` prompts, each sampled ``G`` times
 (``rl.prompts_per_step`` x ``rl.group_size`` sequences), prefilled in one engine step and decoded for
 ``rl.max_new_tokens`` tokens, sampling from the full-vocabulary logprob rows (fixed length, no stop
 token, so both sets do the same work); ``time/score`` — the reward (a stand-in verifier: the share of
 even token ids in the response) and the pre-update ``trainer_score`` logprobs of the response tokens;
 ``logprob_abs_diff_*`` / ``mismatch_count`` compare those trainer logprobs with the engine's logprobs of
-the sampled tokens (DESIGN §4); ``time/train`` — GRPO (group-normalised advantages, token-level clipped ratio loss) forward + backward
+the sampled tokens (docs/design.md, Metrics); ``time/train`` — GRPO (group-normalised advantages, token-level clipped ratio loss) forward + backward
 over the same sequences in micro-batches of ``G`` sequences and one :class:`~isoexec.trainer.optim.MasterAdamW`
 step; ``time/step`` — the sum. Engine and trainer are the same in-process model, so there is no weight
 sync. Both kernel sets start from the same random weights (random init on the GPU, seed 0) and the same

@@ -1,4 +1,4 @@
-"""isoexec.contract: the execution contract (DESIGN section 2).
+"""isoexec.contract: the execution contract (docs/design.md, The execution contract).
 
 A declarative, hashable record of every execution choice that can change bits. Both runtimes build
 it, compare ``numerical_policy`` digests (:func:`check_handshake`) and refuse to run when they

@@ -1,10 +1,10 @@
 """``isoexec contract show|diff|verify``: inspect, compare and verify saved contract files.
 
-Exit codes: 2 and one ``error:`` line when a file cannot be loaded (missing, malformed, invalid; the
-top-level CLI prints it). ``show`` 0; ``diff`` 0 if the ``numerical_policy`` identities are equal
-(deployment differences are printed but allowed), 1 if they differ, 2 if a file's content no longer
-matches its identities; ``verify`` 0 and ``OK`` with the digests, or 1 naming the identity and the
-edited field(s).
+Exit codes: 2 and one ``error:`` line when a file cannot be loaded (missing, malformed, invalid, or
+edited by hand so that its content no longer matches its identities: the line names the identity and
+the edited field(s); the top-level CLI prints it), the same for every command. ``show`` 0; ``diff`` 0
+if the ``numerical_policy`` identities are equal (deployment differences are printed but allowed), 1
+if they differ; ``verify`` 0 and ``OK`` with the digests.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from pathlib import Path
 
 import typer
 
-from .errors import ContractTampered
 from .handshake import diff as diff_contracts
 from .handshake import render
 from .schema import ExecutionContract
@@ -41,8 +40,8 @@ def _wrapped(label: str, text: str, width: int, indent: int = 2) -> list[str]:
 
 
 @app.command()
-def show(path: Path = typer.Argument(..., help="contract file written by isoexec.contract.save")) -> None:
-    """Print a summary: identities, cases, composition (with constants) and claims.
+def show(path: Path = typer.Argument(..., metavar="FILE", help="contract file written by isoexec.contract.save")) -> None:
+    """Print a contract: identities, cases, composition (with constants) and claims.
 
     One block per composition entry (region and cases, then impl/version/arch, constants, proof),
     wrapped to the terminal width (80 columns when piped): nothing is cut at any width.
@@ -77,10 +76,13 @@ def show(path: Path = typer.Argument(..., help="contract file written by isoexec
 
 @app.command()
 def diff(
-    a: Path = typer.Argument(..., help="first contract file"),
-    b: Path = typer.Argument(..., help="second contract file"),
+    a: Path = typer.Argument(..., metavar="FILE_A", help="first contract file"),
+    b: Path = typer.Argument(..., metavar="FILE_B", help="second contract file"),
 ) -> None:
-    """Print the differences between two contracts; exit 1 if their numerical_policy differs."""
+    """Print the differences between two contracts.
+
+    Exit status 1 if their numerical_policy differs, 0 if only the deployment does (or nothing).
+    """
     ca, cb = load(a), load(b)
     lines = diff_contracts(ca, cb)
     pa, pb = ca.identities.numerical_policy, cb.identities.numerical_policy
@@ -96,15 +98,13 @@ def diff(
 
 
 @app.command()
-def verify(path: Path = typer.Argument(..., help="contract file to verify")) -> None:
-    """Re-verify a contract file's identities; exit 1 naming the edited field(s) if they no longer match."""
-    from isoexec.cli import error_line
+def verify(path: Path = typer.Argument(..., metavar="FILE", help="contract file to verify")) -> None:
+    """Re-verify a contract file's identities.
 
-    try:
-        c = load(path)
-    except ContractTampered as e:
-        typer.echo(error_line(e), err=True)
-        raise typer.Exit(1) from None
+    A file whose content no longer matches its identities is refused as every command refuses it: one
+    line naming the identity and the edited field(s), exit status 2.
+    """
+    c = load(path)
     typer.echo(f"OK {path}")
     for line in _identities(c):
         typer.echo("  " + line)

@@ -115,7 +115,7 @@ def check_handshake(local: ExecutionContract, remote: ExecutionContract) -> list
 
 
 def check_topology(
-    contract: ExecutionContract, *, tp: int = 1, ep: int = 1, sp: int = 1, pp: int = 1, dp: int = 1
+    contract: ExecutionContract, *, tp: int = 1, ep: int = 1, sp: int = 1, pp: int = 1, dp: int = 1, cp: int = 1
 ) -> None:
     """Check the running parallel layout against ``claims.topology``.
 
@@ -124,12 +124,12 @@ def check_topology(
 
     Args:
         contract: the contract.
-        tp, ep, sp, pp, dp: the running degrees (default 1).
+        tp, ep, sp, pp, dp, cp: the running degrees (default 1; ``cp``: context parallelism).
 
     Raises:
         ClaimViolation: naming every dimension whose degree is not allowed and the allowed degrees.
     """
-    degrees = dict(tp=tp, ep=ep, sp=sp, pp=pp, dp=dp)
+    degrees = dict(tp=tp, ep=ep, sp=sp, pp=pp, dp=dp, cp=cp)
     v = []
     for dim in PARALLEL_DIMS:
         d = degrees[dim]

@@ -1,4 +1,4 @@
-"""Data types of the execution contract (DESIGN section 2). Pure data: no I/O, no hashing.
+"""Data types of the execution contract (docs/design.md, The execution contract). Pure data: no I/O, no hashing.
 
 An :class:`ExecutionContract` has four parts:
 
@@ -28,7 +28,7 @@ SCHEMA = "isoexec.contract/1"
 """Schema tag carried in every encoded contract and in every digest preimage."""
 
 CASES: tuple[str, ...] = ("trainer_fwd", "trainer_score", "engine_prefill", "engine_decode")
-"""Execution cases where a token's logprob is computed (DESIGN section 2)."""
+"""Execution cases where a token's logprob is computed (docs/design.md, Terms)."""
 
 REGIONS: tuple[str, ...] = (
     "embed",
@@ -52,10 +52,10 @@ REGIONS: tuple[str, ...] = (
     "lm_head",
     "logprob",
 )
-"""Known regions (DESIGN section 2). To use another region, pass ``regions=REGIONS + ("x.y",)`` to
+"""Known regions (docs/design.md, Terms). To use another region, pass ``regions=REGIONS + ("x.y",)`` to
 ``ExecutionContract.build`` / ``validate`` / ``load``; the extension is explicit at every call."""
 
-PARALLEL_DIMS: tuple[str, ...] = ("tp", "ep", "sp", "pp", "dp")
+PARALLEL_DIMS: tuple[str, ...] = ("tp", "ep", "sp", "pp", "dp", "cp")
 """Parallel dimensions a topology claim may name. An unclaimed dimension is pinned to degree 1."""
 
 STATES: tuple[str, ...] = ("prefix_cache", "kv_cache", "gdn_state", "conv_state")
@@ -164,7 +164,7 @@ class Claims:
     """Conditions under which the composition holds.
 
     Args:
-        topology: parallel dimension (``tp``, ``ep``, ``sp``, ``pp``, ``dp``) -> :class:`TopologyClaim`.
+        topology: parallel dimension (``tp``, ``ep``, ``sp``, ``pp``, ``dp``, ``cp``) -> :class:`TopologyClaim`.
             Unclaimed dimensions are pinned to 1.
         state: event name (``weight_sync``, ``preemption``, ...) -> states it invalidates
             (names from :data:`STATES`).

@@ -33,6 +33,10 @@ class Completion:
 
 
 class Engine(Protocol):
+    load_checksums: Mapping[str, str]
+    """Checksums (HF names, ``weight_sync.tensor_checksum``) of the weights the engine holds after loading,
+    compared with the trainer's before a paired run starts (``weight_sync.check_weights_at_load``)."""
+
     def generate(
         self, prompt_token_ids: list[list[int]], n: int, max_tokens: int, seed: int, temperature: float
     ) -> list[list[Completion]]:

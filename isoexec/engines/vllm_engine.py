@@ -16,12 +16,16 @@ prefilled in several chunks ("CPU Generator does not use offset"), so requests c
 :meth:`RolloutEngine.generate` reseeds the worker's global torch RNG instead (RPC), which makes a
 ``generate`` call reproducible for the same inputs and engine state.
 
-Weight sync (:meth:`RolloutEngine.sync_weights`): handshake first (``check_handshake`` of the
-engine's contract against the trainer's; ``ContractMismatch`` before any weight moves), then the
-worker RPC ``isoexec_update_weights`` (``LLM.collective_rpc``; works in-process and with worker
-subprocesses) copies the Hugging Face-named tensors in place and drops every per-request cache
-(KV, GDN, conv state); then ``reset_prefix_cache()``; then the per-tensor sha256 checksums
-returned by the worker are verified against the trainer's.
+Weights. At start the engine reports the checksums of the weights it holds (:attr:`RolloutEngine.load_checksums`,
+Hugging Face names), which a paired run compares with the trainer's before its first step
+(``weight_sync.check_weights_at_load``). Weight sync (:meth:`RolloutEngine.sync_weights`) is the one
+checked update path: handshake first (``check_handshake`` of the engine's contract against the
+trainer's; ``ContractMismatch`` before any weight moves), then the worker RPC ``isoexec_update_weights``
+(``LLM.collective_rpc``; works in-process and with worker subprocesses) copies the Hugging Face-named
+tensors in place (isoexec) or loads them through vLLM and checks what the forward reads (native), and
+drops every per-request cache (KV, GDN, conv state); then ``reset_prefix_cache()``; then the per-tensor
+sha256 checksums returned by the worker are verified against the trainer's. vLLM's own weight-update
+calls are refused on these engines (``isoexec.engines.engine_weights``).
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Any, Literal, Mapping, Sequence
+from typing import Any, Iterable, Literal, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -39,7 +43,7 @@ from isoexec.engines.base import Completion
 from isoexec.model.inputs import check_generate_args
 
 from .vllm_plugin import ARCH, DEFAULT_FACTORY, REQUIRED_LOGPROBS_MODE
-from .weight_sync import state_checksums, verify_checksums
+from .weight_sync import named_tensors, state_checksums, verify_checksums
 
 log = logging.getLogger("isoexec.engines")
 
@@ -99,6 +103,8 @@ class RolloutEngine:
     Raises:
         isoexec.contract.ClaimViolation: isoexec mode, an engine setting the contract does not cover
             (e.g. ``enable_prefix_caching=True``), raised at engine start.
+        isoexec.model.hf.CheckpointError: a checkpoint whose tensors contradict its config (both
+            modes, before vLLM starts).
         ValueError: native mode, a checkpoint vLLM's built-in model would load wrongly (tied
             embeddings without ``lm_head.weight``).
 
@@ -140,21 +146,29 @@ class RolloutEngine:
             max_num_batched_tokens=engine.max_num_batched_tokens,
             enable_prefix_caching=engine.enable_prefix_caching,
             skip_tokenizer_init=True,
-            enforce_eager=True,
+            enforce_eager=not (mode == "native" and engine.native_cuda_graphs),
             seed=seed,
             max_logprobs=-1,
             worker_extension_cls=EXTENSION,
         )
         if engine.num_kv_blocks_override is not None:
             kw["num_gpu_blocks_override"] = engine.num_kv_blocks_override
-        from .requests import GUARD, RENDERER_MODE, check_native_checkpoint
-        from .vllm_compat import serve_at_one_thread
+        for k in ("gpu_memory_utilization", "kv_cache_memory_bytes", "gdn_prefill_backend"):
+            if getattr(engine, k) is not None:
+                kw[k] = getattr(engine, k)
+        from isoexec.model.hf import check_checkpoint
+
+        from .requests import GUARD, NATIVE_GUARD, RENDERER_MODE, check_native_checkpoint
+        from .vllm_compat import ENGINE_ENV, serve_at_one_thread
         from .vllm_plugin import register
 
+        check_checkpoint(self.checkpoint)  # before vLLM starts, in both modes
         register()  # in-process; worker subprocesses get it from the entry point
         serve_at_one_thread()  # before the worker exists: no OpenMP spin-wait in-process
         kw["tokenizer_mode"] = RENDERER_MODE  # prompt token ids range-checked per request (both modes)
         if mode == "isoexec":
+            for k, v in ENGINE_ENV.items():
+                os.environ.setdefault(k, v)
             kw["logits_processors"] = [GUARD]  # sampling settings checked per request
             kw["logprobs_mode"] = REQUIRED_LOGPROBS_MODE
             kw["hf_overrides"] = {
@@ -164,14 +178,19 @@ class RolloutEngine:
             }
         else:
             check_native_checkpoint(self.checkpoint)
+            kw["logits_processors"] = [NATIVE_GUARD]  # fields a vLLM bug makes wrong in both modes
             kw["logprobs_mode"] = "processed_logprobs"
         self.llm = LLM(**kw)
         self.vocab_size = int(self.llm.llm_engine.model_config.get_vocab_size())
         info = self.llm.collective_rpc("isoexec_attach")[0]
+        self.load_checksums: dict[str, str] = info["checksums"]
         self.contract = None
         if mode == "isoexec":
             from isoexec.contract import decode
 
+            if info["kind"] != "isoexec":
+                raise RuntimeError(f"isoexec mode: vLLM built {info['kind']!r} model, not the isoexec one "
+                                   "(an engine option made vLLM pick another model class)")
             self.contract = decode(info["contract"])
 
     # -- sampling ----------------------------------------------------------------------------
@@ -242,6 +261,7 @@ class RolloutEngine:
         check_generate_args(prompt_token_ids, n, max_tokens, self.vocab_size)
         if full_vocab_every is None:
             full_vocab_every = self.full_vocab_every
+        self.llm.collective_rpc("isoexec_check_weights")
         self.llm.collective_rpc("isoexec_reseed", args=(int(seed),))
         params, prompts = [], []
         for i, p in enumerate(prompt_token_ids):
@@ -275,6 +295,7 @@ class RolloutEngine:
             isoexec.model.inputs.InputError: no sequence, an empty one, or an id outside ``[0, V)``.
         """
         check_generate_args(sequences, 1, 1, self.vocab_size)
+        self.llm.collective_rpc("isoexec_check_weights")
         t = float(self.kernels.temperature) if self.mode == "isoexec" else 1.0
         sp = self._sampling_params(1, 1, t, None, self.vocab_size if full_vocab else 0)
         outs = self.llm.generate([{"prompt_token_ids": [int(x) for x in s]} for s in sequences], sp, use_tqdm=False)
@@ -286,13 +307,20 @@ class RolloutEngine:
         return res
 
     # -- weights -----------------------------------------------------------------------------
-    def sync_weights(self, state_dict: Mapping[str, torch.Tensor], trainer_contract: Any = None) -> dict[str, str]:
-        """Load trainer weights (Hugging Face names) into the engine.
+    def sync_weights(self, state_dict: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+                     trainer_contract: Any = None) -> dict[str, str]:
+        """Load trainer weights (Hugging Face names) into the engine: the one checked weight-update path.
 
         isoexec: ``check_handshake(engine contract, trainer_contract)`` first (raises
         ``ContractMismatch`` before any weight moves), then the worker applies the tensors in
         place, drops all per-request caches (GDN / conv / KV state), the prefix cache is reset, and
-        the engine's per-tensor checksums are verified equal to the trainer's.
+        the engine's per-tensor checksums are verified equal to the trainer's. native: the worker
+        loads through vLLM's ``reload_weights`` (plus the CPU MoE re-prepack) and checks that what the
+        forward reads equals vLLM's own fresh load of the same tensors before reporting checksums.
+
+        Args:
+            state_dict: a mapping, or a sequence of ``(name, tensor)`` pairs (each name once).
+            trainer_contract: the trainer's contract (isoexec); None in native mode.
 
         Returns:
             name -> checksum (``weight_sync.tensor_checksum``) as reported by the engine.
@@ -300,11 +328,13 @@ class RolloutEngine:
         Raises:
             isoexec.contract.ContractMismatch: numerical_policy digests differ (isoexec).
             ValueError: isoexec mode without a trainer contract.
-            WeightSyncError: before any weight moves, a state that is not exactly the engine's
-                parameter set (missing, unknown, mis-shaped or mis-typed tensors); after the sync,
-                a checksum of any engine parameter that differs from the trainer's.
+            WeightSyncError: before any weight moves, a name sent twice, an item that is not a named tensor,
+                or a state that is not exactly the engine's parameter set (missing, unknown, mis-shaped or
+                mis-typed tensors), or weights the engine changed outside this path since the last check;
+                after the sync, a checksum of any engine parameter that differs from the trainer's (native:
+                also what the forward reads differing from vLLM's fresh load).
         """
-        state = {k: v.detach().to("cpu").contiguous() for k, v in state_dict.items()}
+        state = {k: v.detach().to("cpu").contiguous() for k, v in named_tensors(state_dict).items()}
         digest = None
         if self.mode == "isoexec":
             from isoexec.contract import check_handshake
@@ -323,7 +353,9 @@ class RolloutEngine:
         return res["checksums"]
 
     def checksums(self, names: Sequence[str] | None = None) -> dict[str, str]:
-        """isoexec: the engine model's current per-tensor checksums (HF names)."""
+        """The engine's per-tensor checksums (HF names) of the weights it computes with, after checking they
+        are still those of the last checked load or update (both modes; see
+        ``IsoExecWorkerExtension.isoexec_checksums``)."""
         return self.llm.collective_rpc("isoexec_checksums", args=(list(names) if names else None,))[0]
 
     def cache_state(self) -> dict[str, Any]:
@@ -348,7 +380,7 @@ class RolloutEngine:
 
 
 def vllm_env_defaults() -> None:
-    """Set the CPU defaults from ENVIRONMENT.md unless already set (offline, 1 GiB KV, in-process)."""
+    """Set the CPU stack's defaults unless already set (offline, 1 GiB KV, in-process)."""
     for k, v in {
         "HF_HUB_OFFLINE": "1",
         "HF_DATASETS_OFFLINE": "1",

@@ -1,4 +1,4 @@
-"""Kernels by region family (DESIGN §2), after flash-linear-attention's ``fla/ops/<op>/`` layout: each
+"""Kernels by region family (docs/design.md, The kernels), after flash-linear-attention's ``fla/ops/<op>/`` layout: each
 family folder holds the CPU isoexec kernels (``cpu.py``), the Triton isoexec kernels (``triton.py``)
 and the native controls (``native.py``) side by side, with a math reference where one exists
 (``gdn/reference.py``). :mod:`isoexec.kernels.registry` maps every contract region to the

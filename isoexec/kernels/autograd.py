@@ -1,6 +1,6 @@
 """Bitwise forward, reference backward: the one autograd wrapper every isoexec kernel set uses.
 
-IsoExec needs bitwise-identical forwards in every case (DESIGN §3); the backward "need not be
+IsoExec needs bitwise-identical forwards in every case (docs/design.md, The unified model); the backward "need not be
 bitwise". A region whose bitwise kernel has no derivative of its own (a Triton GEMM, norm or attention
 kernel; fla's GDN forward in the native set) is therefore wrapped so that its forward returns the
 kernel's bits and its gradient is that of a differentiable reference computing the same function

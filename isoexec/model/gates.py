@@ -1,5 +1,5 @@
 """Bitwise gates: the same tokens' full-vocabulary fp32 logprob rows computed in different cases,
-batch compositions and chunkings must be ``torch.equal`` (DESIGN §3, §5.1).
+batch compositions and chunkings must be ``torch.equal`` (docs/design.md, The unified model and The experiments).
 
 Every gate runs for each dtype with the ``isoexec`` kernel set and with the ``native`` set; a native
 row that differs is the negative control showing the gate can detect a difference.
@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import random
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 import typer
 
 from isoexec.io import csv_text
 from isoexec.model.unified import UnifiedModel
+from isoexec.settings import CONFIG_OPTION
 
 GATE_COLUMNS = ["gate", "case_a", "case_b", "kernel_set", "dtype", "bitwise_equal", "max_abs_diff", "n_tokens", "detail"]
 
@@ -204,23 +206,22 @@ def write_gate_outputs(out, results: list[GateResult], contract) -> None:
 
 
 def gates_command(
-    config: str = typer.Option("experiments/cpu-tiny.yaml", help="experiment YAML"),
-    out_dir: str = typer.Option(None, help="folder for contract.json, gates.csv, gates.provenance.json "
-                                           "(default: results/<exp>/)"),
+    config: Path = CONFIG_OPTION,
+    out_dir: Path = typer.Option(None, metavar="DIR", help="folder for contract.json, gates.csv and "
+                                 "gates.provenance.json (default: runs/<exp>/gates/, not committed; reproduce "
+                                 "writes results/<exp>/)"),
     threads: int = typer.Option(1, min=1, help="torch intra-op threads"),
 ) -> None:
     """Run the bitwise gate matrix of an experiment: writes contract.json, gates.csv and gates.provenance.json.
 
     Exits 1 when an isoexec cell is not bitwise equal (the contract's tolerance is 0.0).
     """
-    from pathlib import Path
-
     from isoexec.config import load_config
 
     torch.set_num_threads(threads)
     cfg = load_config(config)
     results, contract = gate_matrix(cfg, typer.echo)
-    write_gate_outputs(Path(out_dir) if out_dir else cfg.out_dir, results, contract)
+    write_gate_outputs(out_dir or Path("runs") / cfg.name / "gates", results, contract)
     bad = [r for r in results if r.kernel_set == "isoexec" and not r.bitwise_equal]
     controls = [r for r in results if r.kernel_set == "native" and not r.bitwise_equal]
     typer.echo(f"isoexec cells not equal: {len(bad)}; native cells that differ (negative controls): {len(controls)}")

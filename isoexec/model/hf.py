@@ -50,16 +50,22 @@ class WeightsMapper:
 
     _FUSED = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 
+    def rename(self, name: str) -> str | None:
+        """The name after :attr:`prefix_map`, or None for a skipped tensor (fused experts not split)."""
+        if name.startswith(self.skip_prefixes):
+            return None
+        for old, new in self.prefix_map.items():
+            if name.startswith(old):
+                return new + name[len(old):]
+        return name
+
     def apply(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The mapped state dict (tensors not copied unless split)."""
         out: dict[str, torch.Tensor] = {}
         for name, t in state_dict.items():
-            if name.startswith(self.skip_prefixes):
+            name = self.rename(name)
+            if name is None:
                 continue
-            for old, new in self.prefix_map.items():
-                if name.startswith(old):
-                    name = new + name[len(old):]
-                    break
             m = self._FUSED.match(name) if self.split_fused_experts else None
             if not m:
                 out[name] = t
@@ -166,8 +172,9 @@ def read_config(path: str | Path):
     return cfg
 
 
-def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
-    """All ``*.safetensors`` tensors of a checkpoint folder, in on-disk names (:data:`HF_NAMES`).
+def read_weights(path: str | Path, raw: bool = False) -> dict[str, torch.Tensor]:
+    """All ``*.safetensors`` tensors of a checkpoint folder, in on-disk names (:data:`HF_NAMES`), or with
+    ``raw`` the names as stored (what vLLM's loader reads).
 
     Raises:
         FileNotFoundError: the folder holds no ``.safetensors`` file.
@@ -180,7 +187,116 @@ def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
     sd: dict[str, torch.Tensor] = {}
     for f in files:
         sd.update(load_file(str(f)))
-    return HF_NAMES.apply(sd)
+    return sd if raw else HF_NAMES.apply(sd)
+
+
+TensorSpec = tuple[torch.dtype, tuple[int, ...]]
+"""``(dtype, shape)`` of one tensor."""
+
+_SAFETENSORS_DTYPES = {
+    "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32,
+    "I64": torch.int64, "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32,
+    "F64": torch.float64, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+
+
+def checkpoint_specs(path: str | Path) -> dict[str, TensorSpec]:
+    """``name -> (dtype, shape)`` of a checkpoint folder's tensors, in on-disk names (:data:`HF_NAMES`),
+    read from the ``*.safetensors`` headers only.
+
+    Raises:
+        FileNotFoundError: the folder holds no ``.safetensors`` file.
+    """
+    from safetensors import safe_open
+
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path}: no .safetensors weights")
+    meta = {}
+    for f in files:
+        with safe_open(str(f), "pt") as h:
+            for k in h.keys():
+                sl = h.get_slice(k)
+                meta[k] = torch.empty(sl.get_shape(), dtype=_SAFETENSORS_DTYPES[sl.get_dtype()], device="meta")
+    return {k: (v.dtype, tuple(v.shape)) for k, v in HF_NAMES.apply(meta).items()}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint whose tensors contradict its config (the message names the tensors)."""
+
+
+def config_dtype(cfg) -> torch.dtype:
+    """The parameter dtype a checkpoint's config declares (``dtype`` / ``torch_dtype``), bf16 when it
+    declares none (what every loader here then uses)."""
+    dtype = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None) or torch.bfloat16
+    return getattr(torch, dtype) if isinstance(dtype, str) else dtype
+
+
+def check_checkpoint(path: str | Path) -> None:
+    """Refuse a checkpoint whose tensors contradict its config, before any side loads it.
+
+    The tensor set a config implies is the unified model's parameter set for that config (built on the
+    meta device, no weights), each tied tensor once. Every loader of the project calls this first (the
+    unified model and so the isoexec engine, the Megatron and transformers trainers, the native
+    engine), so that no side loads such a checkpoint its own way: e.g. ``tie_word_embeddings: true``
+    with a stored ``lm_head.weight`` that differs from the embedding made a strict ``load_state_dict``
+    copy both names into the one tied tensor (the head wins, the embedding is lost) while vLLM's
+    built-in model kept the embedding and its own head.
+
+    Args:
+        path: a checkpoint folder (``config.json`` + ``*.safetensors``).
+
+    Raises:
+        CheckpointError: naming, with counts, tensors the config implies that the checkpoint lacks,
+            tensors it holds that the config does not imply, tensors of another shape, floating tensors
+            in another dtype than the config's ``dtype``, and, for a tied config, a stored
+            ``lm_head.weight`` that differs from ``model.embed_tokens.weight`` (one equal to it is
+            accepted: some savers store both).
+        FileNotFoundError / ValueError: from :func:`read_config` and :func:`checkpoint_specs`.
+    """
+    from isoexec.model.unified import UnifiedModel
+
+    cfg = read_config(path)
+    dtype = config_dtype(cfg)
+    on_disk = checkpoint_specs(path)
+    with torch.device("meta"):
+        skeleton = UnifiedModel.from_config(cfg, None, dtype)
+    implied = {k: tuple(v.shape) for k, v in skeleton.named_parameters()}
+    tied = bool(getattr(cfg, "tie_word_embeddings", False))
+    problems = []
+    if tied and "lm_head.weight" in on_disk:
+        head, embed = _read_tensors(path, ["lm_head.weight", "model.embed_tokens.weight"])
+        if head.shape != embed.shape or not torch.equal(head, embed):
+            diff = (head.float() - embed.float()).abs().max().item() if head.shape == embed.shape else "shape"
+            problems.append(f"tie_word_embeddings=true but the stored lm_head.weight differs from "
+                            f"model.embed_tokens.weight (max |diff| {diff}): loaders would disagree on which "
+                            "one the tied tensor holds")
+        on_disk = {k: v for k, v in on_disk.items() if k != "lm_head.weight"}
+    missing = sorted(set(implied) - set(on_disk))
+    extra = sorted(set(on_disk) - set(implied))
+    shape = sorted(f"{k} {list(on_disk[k][1])} != {list(implied[k])}" for k in set(on_disk) & set(implied)
+                   if on_disk[k][1] != implied[k])
+    wrong_dtype = sorted(f"{k} {d}" for k, (d, _) in on_disk.items() if d.is_floating_point and d != dtype)
+    problems += [f"{len(names)} {what}: {names[:5]}" for what, names in
+                 (("missing", missing), ("not implied by the config", extra),
+                  ("with another shape than the config implies", shape),
+                  (f"in another dtype than the config's {dtype}", wrong_dtype)) if names]
+    if problems:
+        raise CheckpointError(f"{path}: checkpoint refused, its tensors contradict its config "
+                              f"({len(implied)} tensors implied): {'; '.join(problems)}")
+
+
+def _read_tensors(path: str | Path, names: list[str]) -> list[torch.Tensor]:
+    """The named tensors (names after :data:`HF_NAMES`, not fused experts) from a checkpoint folder."""
+    from safetensors import safe_open
+
+    found = {}
+    for f in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(str(f), "pt") as h:
+            for k in h.keys():
+                if HF_NAMES.rename(k) in names:
+                    found[HF_NAMES.rename(k)] = h.get_tensor(k)
+    return [found[k] for k in names]
 
 
 def write_checkpoint(path: str | Path, config, state_dict: dict[str, torch.Tensor]) -> None:

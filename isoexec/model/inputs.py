@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 _INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
@@ -25,26 +26,65 @@ class InputError(ValueError):
     """A token id outside the vocabulary, a non-integer id, or an empty / degenerate batch."""
 
 
-def check_token_ids(ids: torch.Tensor | Sequence[Any], vocab_size: int, what: str = "input_ids") -> None:
-    """Refuse ids outside ``[0, vocab_size)`` and non-integer ids.
+def _non_integer(ids: Any, where: tuple[int, ...] = ()) -> tuple[tuple[int, ...], Any] | None:
+    """Position and value of the first id of a (nested) sequence that is not an integer, else None.
+
+    Integers are Python ``int`` (``bool`` excluded) and numpy integer scalars; a numpy array counts by
+    its dtype kind. Anything else -- ``bool`` / ``numpy.bool_``, floats, strings, None, tensors -- is not.
+    """
+    if isinstance(ids, np.ndarray):
+        if ids.dtype.kind in "iu" or ids.size == 0:
+            return None
+        return where + tuple(int(i) for i in np.unravel_index(0, ids.shape)), ids.flat[0]
+    if all(type(x) is int for x in ids):  # the common case: a list of Python ints
+        return None
+    for i, x in enumerate(ids):
+        if isinstance(x, np.ndarray) or (isinstance(x, Sequence) and not isinstance(x, (str, bytes))):
+            bad = _non_integer(x, where + (i,))
+            if bad is not None:
+                return bad
+        elif isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, np.integer)):
+            return where + (i,), x
+    return None
+
+
+def _type_name(v: Any) -> str:
+    t = type(v)
+    return t.__name__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
+
+
+def check_token_ids(ids: torch.Tensor | Sequence[Any], vocab_size: int | None, what: str = "input_ids") -> None:
+    """Refuse ids outside ``[0, vocab_size)`` and ids that are not integers.
 
     Args:
         ids: a tensor of any shape (integer dtype), or a (nested, rectangular) sequence / numpy array
-            of ints.
-        vocab_size: V, the model's vocabulary size.
+            of ints (Python ``int`` or numpy integers).
+        vocab_size: V, the model's vocabulary size; None checks the types only.
         what: the argument's name, used in the message.
 
     Raises:
         InputError: the first offending id with its position (an index per dimension) and V, e.g.
             ``"input_ids: token id -1 at position 3 is outside the vocabulary [0, 256) (V=256)"``
             (an index tuple for tensors of several dimensions);
-            or a dtype that is not an integer type (floats and bools are refused, not truncated).
+            or an id that is not an integer, named with its type and position (``True``, ``1.0``,
+            ``"7"``, ``numpy.bool_``: refused, never read as an integer), or a tensor / array whose
+            dtype is not an integer type.
     """
+    if not isinstance(ids, torch.Tensor):
+        if isinstance(ids, (str, bytes)):
+            raise InputError(f"{what}: token ids must be a sequence of integers, got {type(ids).__name__} {ids!r}")
+        bad = _non_integer(ids)
+        if bad is not None:
+            pos, v = bad
+            raise InputError(f"{what}: token id {v!r} at position {pos[0] if len(pos) == 1 else pos} is a "
+                             f"{_type_name(v)}, not an integer")
     t = ids if isinstance(ids, torch.Tensor) else torch.as_tensor(ids)
     if t.numel() == 0 and not isinstance(ids, torch.Tensor):
         return  # an empty list has no dtype of its own; emptiness is the callers' check
     if t.dtype not in _INT_DTYPES:
         raise InputError(f"{what}: token ids must be integers, got dtype {t.dtype}")
+    if vocab_size is None:
+        return
     bad = (t < 0) | (t >= vocab_size)
     if bool(bad.any()):
         pos = tuple(int(i) for i in bad.nonzero()[0])
@@ -117,11 +157,12 @@ def check_generate_args(prompt_token_ids: Sequence[Sequence[int]], n: int, max_t
     Args:
         prompt_token_ids: prompts as token id lists.
         n: samples per prompt. max_tokens: response length cap.
-        vocab_size: V; None leaves the id check to the policy's own forward.
+        vocab_size: V; None checks the ids' types only (the range is then the policy's forward's check).
 
     Raises:
         InputError: no prompt, a prompt without tokens, ``n < 1`` or ``max_tokens < 1``
-            (``"empty input: ..."``); a token id outside ``[0, V)`` (prompt index and position named).
+            (``"empty input: ..."``); a token id outside ``[0, V)`` or not an integer (prompt index and
+            position named).
     """
     if len(prompt_token_ids) == 0:
         raise InputError("empty input: prompt_token_ids holds no prompt; at least one prompt of at least one "
@@ -133,5 +174,4 @@ def check_generate_args(prompt_token_ids: Sequence[Sequence[int]], n: int, max_t
     for i, p in enumerate(prompt_token_ids):
         if len(p) == 0:
             raise InputError(f"empty input: prompt {i} has no tokens; every prompt needs at least one token")
-        if vocab_size is not None:
-            check_token_ids(p, vocab_size, f"prompt {i}")
+        check_token_ids(p, vocab_size, f"prompt {i}")

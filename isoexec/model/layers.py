@@ -2,7 +2,7 @@
 ``model_executor/models/qwen3_next.py``): gated full attention, Gated DeltaNet, the sparse MoE block,
 the decoder layer and the backbone.
 
-Parameter names and shapes are the Hugging Face checkpoint's. Every region of DESIGN §2 runs
+Parameter names and shapes are the Hugging Face checkpoint's. Every region (docs/design.md, Terms) runs
 through the :class:`~isoexec.kernels.KernelSet` by its contract name (``ks["gdn.core"](...)``).
 Row-wise regions (GEMMs, norms, MoE) see all N rows of a forward at once; sequence regions
 (attention, conv1d, GDN) see each sequence piece with its cache (:class:`Batch`).

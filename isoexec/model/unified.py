@@ -1,4 +1,4 @@
-"""The unified model (DESIGN §3): one definition for trainer and engine, the four cases of one forward.
+"""The unified model (docs/design.md): one definition for trainer and engine, the four cases of one forward.
 
 A batch is a list of sequence pieces, each with its absolute start position and (engine cases) a
 :class:`~isoexec.model.cache.SequenceCache`. ``trainer_logprobs`` (``trainer_fwd`` / ``trainer_score``)
@@ -192,16 +192,16 @@ class UnifiedModel(nn.Module):
             dtype: parameter dtype; default the checkpoint's ``dtype``.
 
         Raises:
-            FileNotFoundError / ValueError from :mod:`isoexec.model.hf`; RuntimeError on missing
-            or unexpected tensor names (strict load).
+            isoexec.model.hf.CheckpointError: tensors that contradict the config (missing, extra,
+                another shape or dtype, a tied head that differs from the embedding).
+            FileNotFoundError / ValueError from :mod:`isoexec.model.hf`.
         """
         from isoexec.kernels import build_kernel_set
-        from isoexec.model.hf import read_config, read_weights
+        from isoexec.model.hf import check_checkpoint, config_dtype, read_config, read_weights
 
+        check_checkpoint(path)
         cfg = read_config(path)
-        if dtype is None:
-            dtype = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None) or torch.bfloat16
-            dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+        dtype = dtype or config_dtype(cfg)
         model = UnifiedModel.from_config(cfg, build_kernel_set(kernel_set, device, kernels), dtype)
         sd = read_weights(path)
         if getattr(cfg, "tie_word_embeddings", False):
@@ -258,7 +258,8 @@ def build_contract(config, kernels: KernelSet, dtype: torch.dtype, deployment: d
             "preemption": ("kv_cache", "gdn_state", "conv_state"),
         },
         tolerances={"logprob_abs_diff": 0.0} if kernels.name == "isoexec" else {},
-        engine={"enable_prefix_caching": False},
+        # what the engine runs with (isoexec.engines.options refuses other values at engine start)
+        engine={"enable_prefix_caching": False, "quantization": "none", "kv_cache_dtype": "auto"},
     )
     return ExecutionContract.build(model=model, cases=CASES, composition=comp, claims=claims,
                                    deployment=deployment or {"torch_num_threads": torch.get_num_threads()})

@@ -23,7 +23,7 @@ import typer
 app = typer.Typer(no_args_is_help=True, add_completion=False,
                   help="Tiny checkpoint, SFT warm start and the paired RL runs of every arm.")
 
-_THREADS = typer.Option(1, help="torch intra-op threads; 1 is the most robust on a shared 2-core machine")
+_THREADS = typer.Option(1, min=1, help="torch intra-op threads; 1 is the most robust on a shared 2-core machine")
 
 
 def _setup(threads: int) -> None:
@@ -71,7 +71,7 @@ def _checkpoint(path: Path, option: str, made_by: str) -> Path:
 def sft(config: Path = typer.Option(..., help="experiment YAML"),
         init: Path = typer.Option(..., help="checkpoint from init-model"),
         out: Path = typer.Option(..., help="checkpoint directory to write (+ sft_metrics.json)"),
-        steps: int | None = typer.Option(None, help="override sft.steps"),
+        steps: int | None = typer.Option(None, min=1, help="override sft.steps"),
         threads: int = _THREADS) -> None:
     """SFT warm start until the expected eval accuracy is inside sft.target_accuracy."""
     from isoexec.config import load_config
@@ -196,7 +196,11 @@ def skyrl_config(config: Path = typer.Option(..., help="experiment YAML with a s
 @app.command("skyrl-launch")
 def skyrl_launch(rendered: Path = typer.Option(..., help="overrides written by skyrl-config"),
                  dry_run: bool = typer.Option(False, help="print the command and environment only")) -> None:
-    """Run SkyRL's entry point (Megatron worker, SkyRL's vLLM servers with the isoexec plugin) on a GPU node."""
+    """Launch SkyRL's entry point with rendered overrides (GPU node).
+
+    SkyRL's vLLM servers generate (isoexec mode: with the isoexec plugin); the trainer is isoexec's
+    policy worker in isoexec mode and SkyRL's Megatron worker in native mode.
+    """
     import os
     import shlex
 

@@ -46,6 +46,7 @@ from isoexec.rl import metrics
 from isoexec.rl.arms import Arm, find_arm
 from isoexec.rl.batch import build_batch, token_logprobs
 from isoexec.engines.base import Engine
+from isoexec.engines.weight_sync import check_weights_at_load, state_checksums
 from isoexec.rl.data import Example, load_splits, prompt_token_ids
 from isoexec.rl.reward import reward, response_text
 from isoexec.rl.tokenizer import load_tokenizer
@@ -175,8 +176,12 @@ def run_rl(config: ExperimentConfig, arm: str, seed: int, init_dir: str | Path, 
             both from ``init_dir``.
         command: recorded in ``provenance.json`` (default ``sys.argv``).
 
-    Writes ``out_dir/metrics.jsonl`` (one row per step) and ``out_dir/provenance.json``.
-    Returns the rows.
+    Writes ``out_dir/metrics.jsonl`` (one row per step) and ``out_dir/provenance.json`` (with both sides'
+    weight digests at load, ``weights_at_load``). Returns the rows.
+
+    Raises:
+        isoexec.engines.weight_sync.WeightSyncError: the engine and the trainer hold different weights at
+            load (before any step), naming the tensors.
     """
     rl = config.rl
     the_arm = find_arm(config, arm)
@@ -213,6 +218,7 @@ def run_rl(config: ExperimentConfig, arm: str, seed: int, init_dir: str | Path, 
     prov["run"] = {"arm": arm, "mode": mode, "seed": seed, "init": str(init_dir), "steps": steps or rl.steps,
                    "engine": type(engine).__name__, "trainer": type(policy).__name__,
                    "torch_num_threads": torch.get_num_threads()}
+    prov["weights_at_load"] = check_weights_at_load(engine.load_checksums, state_checksums(sync_state(policy)))
     atomic_write_json(out_dir / "provenance.json", prov)
     mlog = metrics.MetricsLog(out_dir / "metrics.jsonl")
     for step in range(steps if steps is not None else rl.steps):

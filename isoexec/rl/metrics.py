@@ -1,4 +1,4 @@
-"""Per-step RL metrics, defined exactly as DESIGN §4, and the atomic ``metrics.jsonl`` writer.
+"""Per-step RL metrics, defined exactly as docs/design.md, Metrics, and the atomic ``metrics.jsonl`` writer.
 
 Notation: for each response token t of a step, ``lR_t`` is the logprob the rollout engine reported
 for the sampled token and ``lT_t`` the pre-update trainer logprob (``trainer_score``) of the same

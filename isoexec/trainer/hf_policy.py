@@ -68,7 +68,15 @@ class HFPolicy:
 
     @classmethod
     def from_pretrained(cls, path: str | Path, temperature: float = 1.0, dtype: torch.dtype | None = None) -> HFPolicy:
-        """Load a checkpoint directory; ``dtype`` None keeps the checkpoint dtype (``config.dtype``)."""
+        """Load a checkpoint directory; ``dtype`` None keeps the checkpoint dtype (``config.dtype``).
+
+        Raises:
+            isoexec.model.hf.CheckpointError: tensors that contradict the config (transformers would
+                initialise a missing tensor at random and only warn).
+        """
+        from isoexec.model.hf import check_checkpoint
+
+        check_checkpoint(path)
         force_torch_gdn()
         from transformers import Qwen3NextForCausalLM
 

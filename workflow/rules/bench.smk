@@ -1,4 +1,4 @@
-# Kernel benchmarks (DESIGN.md §5.3): not part of `reproduce` (timing needs a quiet machine). Written
+# Kernel benchmarks (docs/design.md, The experiments): not part of `reproduce` (timing needs a quiet machine). Written
 # under runs/<exp>/bench/ (not committed); the committed reference results/cpu-tiny/bench/ is replaced
 # only on purpose, with `isoexec bench --out-dir results/cpu-tiny/bench`.
 
@@ -15,7 +15,6 @@ rule kernel_bench:
         "../envs/isoexec.yaml"
     threads: ALL_CORES
     params:
-        config=CONFIGFILE,
         settings=settings_digest("device", "model", "kernels"),
     shell:
-        "isoexec bench --config {params.config} --out-dir {output} > {log} 2>&1"
+        'isoexec bench --config "$ISOEXEC_EXPERIMENT" --out-dir {output} > {log} 2>&1'

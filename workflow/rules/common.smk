@@ -11,7 +11,7 @@ from isoexec.allocator import with_tcmalloc
 from isoexec.cli import error_line
 from isoexec.config import load_config
 from isoexec.rl.arms import arm_names
-from isoexec.settings import RECORD, settings_conflict
+from isoexec.settings import RECORD, settings_conflict, write_record
 
 DEFAULT_CONFIGFILE = "experiments/cpu-tiny.yaml"
 
@@ -106,6 +106,11 @@ NOTEBOOK = os.path.join(workflow.basedir, "notebooks", "analysis.ipynb")
 # the rollout check (their recorded times, e.g. SFT's time_s, are then of a shared machine).
 ALL_CORES = os.cpu_count() or 1
 ONE_THREAD = 1
+
+# Every job reads the experiment YAML from $ISOEXEC_EXPERIMENT: its path is no job parameter, so the same
+# settings under another path (a moved or copied YAML) rerun nothing; changed settings rerun what reads
+# them through each rule's settings digest, and a name whose record has other settings is refused above.
+os.environ.update(ISOEXEC_EXPERIMENT=CONFIGFILE)
 
 # Every job allocates through tcmalloc where it is installed (vLLM's CPU setup; isoexec/allocator.py
 # says why): a preload acts when a process starts, so it is set here, once, for all jobs.

@@ -4,9 +4,9 @@
 rule rollout_check:
     """Engine vs trainer logprobs on sampled rollouts, both modes, on the pipeline's initial model."""
     input:
-        f"{RUNS}/model/init",
+        init=f"{RUNS}/model/init",
     output:
-        report(
+        rollout_check=report(
             f"{RES}/rollout_check.json",
             caption="../report/rollout_check.rst",
             category="Gates",
@@ -19,9 +19,9 @@ rule rollout_check:
         "../envs/isoexec.yaml"
     threads: ONE_THREAD
     params:
-        config=CONFIGFILE,
         settings=settings_digest(
             "device", "model", "kernels", "task", "trainer", "engine"
         ),
     shell:
-        "isoexec rollout-check --config {params.config} --checkpoint {input} > {log} 2>&1"
+        'isoexec rollout-check --config "$ISOEXEC_EXPERIMENT" --checkpoint {input.init}'
+        " --out {output.rollout_check} > {log} 2>&1"

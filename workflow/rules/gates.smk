@@ -1,4 +1,4 @@
-# Gates (DESIGN.md §5.1): the execution contract and the bitwise matrix of regions x case pairs.
+# Gates (docs/design.md, The experiments): the execution contract and the bitwise matrix of regions x case pairs.
 
 
 rule gates:
@@ -18,7 +18,7 @@ rule gates:
         "../envs/isoexec.yaml"
     threads: ONE_THREAD
     params:
-        config=CONFIGFILE,
+        out_dir=lambda wildcards, output: os.path.dirname(output.gates),
         settings=settings_digest("device", "model", "kernels", "gates"),
     shell:
-        "isoexec gates --config {params.config} > {log} 2>&1"
+        'isoexec gates --config "$ISOEXEC_EXPERIMENT" --out-dir {params.out_dir} > {log} 2>&1'

@@ -13,16 +13,15 @@ rule init_model:
         "../envs/isoexec.yaml"
     threads: ONE_THREAD
     params:
-        config=CONFIGFILE,
         settings=settings_digest("device", "model", "kernels", "task"),
     shell:
-        "isoexec rl init-model --config {params.config} --out {output} > {log} 2>&1"
+        'isoexec rl init-model --config "$ISOEXEC_EXPERIMENT" --out {output} > {log} 2>&1'
 
 
 rule sft:
     """Supervised fine-tuning so that RL starts from a model with nonzero, unsaturated reward."""
     input:
-        f"{RUNS}/model/init",
+        init=f"{RUNS}/model/init",
     output:
         directory(f"{RUNS}/model/sft"),
     log:
@@ -34,10 +33,9 @@ rule sft:
         "../envs/isoexec.yaml"
     threads: ONE_THREAD
     params:
-        config=CONFIGFILE,
         settings=settings_digest("device", "model", "kernels", "task", "sft"),
     shell:
-        "isoexec rl sft --config {params.config} --init {input} --out {output} > {log} 2>&1"
+        'isoexec rl sft --config "$ISOEXEC_EXPERIMENT" --init {input.init} --out {output} > {log} 2>&1'
 
 
 rule sft_metrics:

@@ -22,7 +22,6 @@ rule rl_paired:
         "../envs/isoexec.yaml"
     threads: ALL_CORES
     params:
-        config=CONFIGFILE,
         out=lambda wildcards, output: os.path.dirname(
             os.path.dirname(os.path.dirname(output.metrics[0]))
         ),
@@ -30,4 +29,4 @@ rule rl_paired:
             "device", "model", "kernels", "task", "rl", "trainer", "engine", "arms"
         ),
     shell:
-        "isoexec rl paired --config {params.config} --init {input.init} --out {params.out} > {log} 2>&1"
+        'isoexec rl paired --config "$ISOEXEC_EXPERIMENT" --init {input.init} --out {params.out} > {log} 2>&1'

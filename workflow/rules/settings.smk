@@ -8,9 +8,7 @@ rule experiment_settings:
         SETTINGS,
     log:
         f"{LOGS}/experiment_settings.log",
-    conda:
-        "../envs/isoexec.yaml"
     params:
-        config=CONFIGFILE,
-    shell:
-        "isoexec config --config {params.config} --out {output} > {log} 2>&1"
+        settings=settings_digest(*type(CFG).model_fields),
+    run:
+        write_record(CFG, output[0])

@@ -1,6 +1,7 @@
-# GPU-node recipe (DESIGN.md §5.5): the experiment's RL through SkyRL's own entry point, with SkyRL's
-# Megatron policy worker and SkyRL's vLLM servers, which load the isoexec vLLM plugin (entry point
-# vllm.general_plugins: isoexec). Needs an experiment with a skyrl section, e.g.
+# GPU-node recipe (docs/design.md, The experiments): the experiment's RL through SkyRL's own entry point
+# and SkyRL's vLLM servers; the native arm trains with SkyRL's Megatron worker, the isoexec arm with
+# isoexec's policy worker (isoexec.rl.skyrl.recipe) against servers that build the isoexec architecture
+# (vLLM plugin entry point vllm.general_plugins: isoexec). Needs an experiment with a skyrl section, e.g.
 #   snakemake skyrl_recipe --configfile experiments/qwen35-35b-a3b-8xh100.yaml
 # Not part of reproduce; it cannot run on the CPU machines (CUDA, Transformer Engine, 8 GPUs).
 
@@ -14,10 +15,9 @@ rule skyrl_config:
     conda:
         "../envs/isoexec.yaml"
     params:
-        config=CONFIGFILE,
         settings=settings_digest("kernels", "rl", "engine", "skyrl"),
     shell:
-        "isoexec rl skyrl-config --config {params.config} --mode {wildcards.mode} --out {output} > {log} 2>&1"
+        'isoexec rl skyrl-config --config "$ISOEXEC_EXPERIMENT" --mode {wildcards.mode} --out {output} > {log} 2>&1'
 
 
 rule skyrl_run:

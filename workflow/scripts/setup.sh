@@ -7,6 +7,20 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null || PY=python3
+# isoexec's CPU kernels are C sources compiled at first use with the flags of
+# isoexec/kernels/native_build.py: check for a compiler that takes them before anything is downloaded.
+cc=$(command -v cc || command -v gcc || true)
+if [ -z "$cc" ]; then
+  echo "setup: no C compiler on PATH (looked for cc and gcc); isoexec's CPU kernels are C compiled at first" \
+    "use: install one (Debian/Ubuntu: apt-get install gcc) and rerun" >&2
+  exit 1
+fi
+if ! printf 'int f(float a){return (int)a;}\n' | "$cc" -O3 -march=native -ffp-contract=off -fPIC -shared -std=c11 \
+    -x c - -o /dev/null -lm 2>/dev/null; then
+  echo "setup: $cc cannot build a shared library with -O3 -march=native -ffp-contract=off -std=c11 (the flags" \
+    "of isoexec's CPU kernels); install gcc and rerun" >&2
+  exit 1
+fi
 # tcmalloc for every CPU stage (vLLM's CPU setup; isoexec/allocator.py says why): Debian's package where
 # this machine can install it (root with apt-get); without it the stages run on glibc's allocator.
 if ! ls /usr/lib/*/libtcmalloc_minimal.so.4 >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then

@@ -1,7 +1,7 @@
 """Parallel-invariant kernels (pik): tensor-, sequence- and expert-parallel GEMM and combine whose bits
 do not depend on the parallel degree.
 
-Source: DESIGN §3, "Parallelism invariance (pik)" (the IsoExec pik rule) and §5.4 (logits bitwise
+Source: docs/design.md, "Parallel invariance (pik)" (the IsoExec pik rule) and "The experiments" (logits bitwise
 equal across TP/EP/SP layouts with pik; native differs). This module is the reference built on
 ``torch.distributed`` (gloo on CPU, NCCL on CUDA) and the batch-invariant primitives of
 :mod:`isoexec.kernels.primitives`.
@@ -230,7 +230,7 @@ def pik_row_parallel_linear(
     Args:
         x_shard: ``[N, K/tp]`` (bf16 or fp32). w_shard: ``[M, K/tp]`` (HF ``nn.Linear`` layout).
         group: TP process group (None: default group, or a single process = TP 1).
-        leaves: G, fixed contiguous leaves over the global K (power of two; default 8, DESIGN §3).
+        leaves: G, fixed contiguous leaves over the global K (power of two; default 8; docs/design.md, Parallel invariance (pik)).
         row_tile: rows per cache tile of the GEMM (contract constant; moves no bit).
         out_dtype: output dtype; default ``x_shard.dtype`` (``torch.float32`` keeps the accumulator).
         sequence_parallel: return only this rank's rows ``[r*N/tp, (r+1)*N/tp)`` (reduce-scatter).

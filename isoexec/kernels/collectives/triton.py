@@ -1,7 +1,7 @@
 """pik row-parallel GEMM on CUDA over NCCL: the Triton leaf GEMM for the rank's subtree, the subtree
 sums moved by the collective, the upper tree levels added in a fused combine-and-round kernel.
 
-The algorithm of :func:`isoexec.kernels.collectives.pik.pik_row_parallel_linear` (DESIGN §3, "Parallelism
+The algorithm of :func:`isoexec.kernels.collectives.pik.pik_row_parallel_linear` (docs/design.md, "Parallel
 invariance (pik)") with GPU bits of its own: rank ``r`` of ``tp`` holds features ``[r*K/tp, (r+1)*K/tp)``
 of ``x`` and ``w`` and owns leaves ``[r*G/tp, (r+1)*G/tp)`` of the G leaves over the global K. One launch of
 :func:`isoexec.kernels.gemm.triton.linear_leaves_partial` reduces the rank's leaves in the tree order

@@ -17,9 +17,14 @@
  *
  * Sums over the DV columns run in LANES partial sums (then added in lane order), so that they
  * vectorise without -ffast-math; DV must be a multiple of LANES.
- * Layout: tokens [N, H, D] fp32; sequence s covers rows row0[s] .. row0[s]+len[s]-1 from a zero state;
- * entry[e] is an [H, DK, DV] fp32 state, sequence-major and chunk-ascending: sequence s's chunk c at
- * e = (number of chunks of sequences 0..s-1) + c, with ceil(len/C) chunks per sequence.
+ * Layout: tokens [N, H, D] fp32; sequence s covers rows row0[s] .. row0[s]+len[s]-1 from its state
+ * entry[e0]; entry[e] is an [H, DK, DV] fp32 state, sequence-major and chunk-ascending: sequence s's
+ * chunk c at e = e0 = (number of chunks of sequences 0..s-1) + c, with ceil(len/C) chunks per sequence.
+ * A sequence piece under context parallelism (the next rank continues from the state entering chunk
+ * J = floor(len/C), the piece's last chunk boundary): ds_tail[s], when not NULL, is the [H, DK, DV]
+ * gradient that the later ranks send back for that state; it is added to dS when the walk reaches it.
+ * ds_head[s], when not NULL, receives the gradient of the piece's start state entry[e0] (what this
+ * rank sends back to the previous one). Both NULL: the plain backward of a sequence from a zero state.
  * Returns 0, -1 when memory could not be allocated, -2 when DV is not a multiple of LANES.
  */
 #include <stdint.h>
@@ -32,6 +37,10 @@ static float lane_sum(const float *lane) {
     float t = 0.0f;
     for (int l = 0; l < LANES; ++l) t += lane[l];
     return t;
+}
+
+static void add_state(float *dS, const float *g, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) dS[i] += g[i];
 }
 
 static void step_forward(float *dst, const float *src, const float *k, const float *v, float d, float b,
@@ -57,8 +66,9 @@ static void step_forward(float *dst, const float *src, const float *k, const flo
 
 int isoexec_gdn_backward(const float *q, const float *k, const float *v, const float *decay, const float *beta,
                          const float *dout, float *dq, float *dk, float *dv, float *ddecay, float *dbeta,
-                         const float *const *entry, const int64_t *row0, const int64_t *len, int64_t nseg, int64_t H,
-                         int64_t DK, int64_t DV, int64_t C) {
+                         const float *const *entry, const float *const *ds_tail, float *const *ds_head,
+                         const int64_t *row0, const int64_t *len, int64_t nseg, int64_t H, int64_t DK, int64_t DV,
+                         int64_t C) {
     const int64_t SS = DK * DV;
     if (DV % LANES) return -2;
     float *st = malloc(sizeof(float) * (C + 1) * SS);      /* the states of one chunk */
@@ -70,10 +80,12 @@ int isoexec_gdn_backward(const float *q, const float *k, const float *v, const f
     }
     int64_t e0 = 0;  /* this sequence's first chunk in entry */
     for (int64_t s = 0; s < nseg; ++s) {
-        const int64_t L = len[s], nc = (L + C - 1) / C;
+        const int64_t L = len[s], nc = (L + C - 1) / C, J = L / C;
+        const float *tail = ds_tail ? ds_tail[s] : NULL;
         for (int64_t h = 0; h < H; ++h) {
             /* backward, chunk by chunk from the last */
             memset(dS, 0, sizeof(float) * SS);
+            if (tail && J == nc) add_state(dS, tail + h * SS, SS);  /* the piece ends on a chunk boundary */
             for (int64_t c = nc - 1; c >= 0; --c) {
                 const int64_t t0 = c * C, t1 = t0 + C < L ? t0 + C : L, n = t1 - t0;
                 memcpy(st, entry[e0 + c] + h * SS, sizeof(float) * SS);
@@ -138,7 +150,9 @@ int isoexec_gdn_backward(const float *q, const float *k, const float *v, const f
                     const float dd = lane_sum(ddl);
                     ddecay[r] = dd;
                 }
+                if (tail && c == J) add_state(dS, tail + h * SS, SS);  /* dS is now at the entry of chunk J */
             }
+            if (ds_head && ds_head[s]) memcpy(ds_head[s] + h * SS, dS, sizeof(float) * SS);
         }
         e0 += nc;
     }

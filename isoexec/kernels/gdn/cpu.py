@@ -1,6 +1,6 @@
 """Chunkwise-parallel recurrent (CPR) Gated DeltaNet: one set of bits for trainer, prefill and decode.
 
-Algorithm (the IsoExec design brief, DESIGN §3), chunk size C from the contract:
+Algorithm (docs/design.md, CPR Gated DeltaNet), chunk size C from the contract:
 
 1. **State pass** (fp32 chain): the state entering chunk c+1 is ``F(S_c, chunk c)``, computed in
    the chunkwise WY/UT form (Yang et al., "Parallelizing Linear Transformers with the Delta Rule
@@ -30,7 +30,9 @@ The gating region (``gdn.gating``, :func:`iso_gating`) lives here too.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -169,33 +171,160 @@ class CPRTrainerFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do):  # noqa: D102
-        import ctypes
-
         q, k, v, g, beta, *entries = ctx.saved_tensors
+        return (*cpr_gdn_backward(q, k, v, g, beta, ctx.lengths, entries, do, ctx.chunk_size)[:5], None, None)
+
+
+class ChainLink(Protocol):
+    """How the sequence pieces of one context-parallel rank exchange the GDN chain with its neighbours
+    (:class:`CPRPieceFunction`; the Megatron trainer's implementation moves tensors with torch.distributed).
+
+    A piece that does not start at position 0 continues from the previous rank's *chain state*: the fp32
+    state entering the chunk holding the piece's first token, and the packed ``k | v | g | beta`` rows
+    (:func:`_unpack`'s layout, fp32) of that chunk's tokens before the piece (``position mod C`` rows).
+    Gradients travel back the same way: the gradient of that state and of those rows.
+    """
+
+    def recv_state(self, h: int, dk: int, dv: int) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+        """Per piece, None (it starts at position 0) or (state ``[h, dk, dv]``, rows ``[p, h*(dk+dv+2)]``)."""
+
+    def send_state(self, states: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Per piece (state entering its open chunk, the open chunk's rows); sends those that the next rank continues."""
+
+    def recv_grad(self, h: int, dk: int, dv: int) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+        """Per piece, None (no later rank continues it) or the gradients of what :meth:`send_state` sent."""
+
+    def send_grad(self, grads: list[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
+        """Per piece, the gradients of what :meth:`recv_state` gave (None where it gave None)."""
+
+
+class CPRPieceFunction(torch.autograd.Function):
+    """The CPR GDN of sequence pieces held by one context-parallel rank: the same bits as :func:`cpr_gdn`
+    over the whole sequences.
+
+    Each piece is extended backwards to its chunk boundary with the rows received through ``link`` and
+    run by :func:`cpr_gdn` from the received state, so every chunk is scanned from the same entry state,
+    in the same segments, as on one rank; the state pass hands on the chain (``on_chain``) before the
+    scans, so the ranks' scans overlap. The extension's outputs are dropped (its q rows are zeros).
+    Backward: :func:`cpr_gdn_backward` over the extended pieces with the later rank's state gradient
+    added at the piece's last chunk boundary; the gradients of the received state and rows go back.
+
+    Inputs: q, k ``[N, H, Dk]``, v ``[N, H, Dv]``, g, beta ``[N, H]`` (fp32), ``lengths`` per piece
+    (sum N), ``chunk_size`` C, ``link`` (:class:`ChainLink`). Returns o ``[N, H, Dv]`` fp32.
+
+    Raises:
+        ValueError: inputs not fp32.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, lengths: list[int], chunk_size: int, link: ChainLink):  # noqa: D102
+        if any(t.dtype != torch.float32 for t in (q, k, v, g, beta)):
+            raise ValueError("CPRPieceFunction: q, k, v, g, beta must be fp32 (the gdn.core region's inputs)")
         N, H, Dk = k.shape
         Dv = v.shape[-1]
-        scale = Dk**-0.5
-        qs = (q.float() * scale).contiguous()
-        k, v, beta = (x.float().contiguous() for x in (k, v, beta))
-        decay = torch.exp(g.float()).contiguous()
-        do = do.float().contiguous()
-        dq, dk, dv = (torch.empty(N, H, d, dtype=torch.float32) for d in (Dk, Dk, Dv))
-        dd, db = torch.empty(N, H, dtype=torch.float32), torch.empty(N, H, dtype=torch.float32)
-        row0 = [0]
-        for n in ctx.lengths[:-1]:
-            row0.append(row0[-1] + n)
-        r0, ln = torch.tensor(row0, dtype=torch.int64), torch.tensor(ctx.lengths, dtype=torch.int64)
-        if not all(e.is_contiguous() and e.dtype == torch.float32 for e in entries):
-            raise RuntimeError("cpr_gdn's chunk entries must be contiguous fp32 [H, Dk, Dv] states")
-        ent = torch.tensor([e.data_ptr() for e in entries], dtype=torch.int64)
-        rc = kernel_library(__file__, "cpr_scan_backward.c").isoexec_gdn_backward(
-            *map(c_ptr, (qs, k, v, decay, beta, do, dq, dk, dv, dd, db, ent, r0, ln)),
-            *map(ctypes.c_int64, (len(ctx.lengths), H, Dk, Dv, ctx.chunk_size)))
-        if rc == -2:
-            raise ValueError(f"the CPU GDN backward needs Dv divisible by 16, got Dv={Dv}")
-        if rc != 0:
-            raise MemoryError("cpr_scan_backward.c could not allocate its state buffers")
-        return dq * scale, dk, dv, dd * decay, db, None, None
+        C = chunk_size
+        prev = link.recv_state(H, Dk, Dv)
+        packed = torch.cat([k.reshape(N, -1), v.reshape(N, -1), g, beta], dim=1)
+        pre = [0 if p is None else p[1].shape[0] for p in prev]
+        parts, qparts, row0 = [], [], 0
+        for n, p, rows in zip(lengths, prev, pre):
+            if rows:
+                parts.append(p[1])
+                qparts.append(q.new_zeros(rows, H, Dk))
+            parts.append(packed[row0 : row0 + n])
+            qparts.append(q[row0 : row0 + n])
+            row0 += n
+        ext = torch.cat(parts)
+        ek, ev, eg, eb = _unpack(ext, H, Dk, Dv)
+        eq = torch.cat(qparts)
+        elens = [p + n for p, n in zip(pre, lengths)]
+        starts = [0]
+        for n in elens[:-1]:
+            starts.append(starts[-1] + n)
+
+        def hand_on(open_entries: list[torch.Tensor]) -> None:
+            link.send_state([(e, ext[a + (m // C) * C : a + m]) for e, a, m in zip(open_entries, starts, elens)])
+
+        entries: list[torch.Tensor] = []
+        states = [None if p is None else CPRState(C, p[0], p[0]) for p in prev]
+        out = cpr_gdn(eq, ek, ev, eg, eb, elens, states, C, keep_state=False, entries_out=entries, on_chain=hand_on)[0]
+        own = torch.cat([torch.arange(a + p, a + m) for a, p, m in zip(starts, pre, elens)])
+        ctx.save_for_backward(eq, ek, ev, eg, eb, own, *entries)
+        ctx.meta = (elens, pre, [p is not None for p in prev], starts, C, link)
+        return out[own]
+
+    @staticmethod
+    def backward(ctx, do):  # noqa: D102
+        eq, ek, ev, eg, eb, own, *entries = ctx.saved_tensors
+        elens, pre, continued, starts, C, link = ctx.meta
+        H, Dk, Dv = ek.shape[1], ek.shape[2], ev.shape[2]
+        later = link.recv_grad(H, Dk, Dv)
+        edo = do.new_zeros(eq.shape[0], H, Dv).index_copy(0, own, do.float())
+        dq, dk, dv, dg, db, heads = cpr_gdn_backward(eq, ek, ev, eg, eb, elens, entries, edo, C,
+                                                     ds_tail=[None if x is None else x[0] for x in later],
+                                                     want_head=continued)
+        n = eq.shape[0]
+        dpacked = torch.cat([dk.reshape(n, -1), dv.reshape(n, -1), dg, db], dim=1)
+        for x, a, m in zip(later, starts, elens):
+            if x is not None:  # the later rank's gradient of the rows handed on with the chain
+                dpacked[a + (m // C) * C : a + m] += x[1]
+        link.send_grad([(hd, dpacked[a : a + p]) if c else None for hd, a, p, c in zip(heads, starts, pre, continued)])
+        dk, dv, dg, db = _unpack(dpacked[own], H, Dk, Dv)
+        return dq[own], dk, dv, dg, db, None, None, None
+
+
+def cpr_gdn_backward(q, k, v, g, beta, lengths: list[int], entries: list[torch.Tensor], do: torch.Tensor,
+                     chunk_size: int, ds_tail: list[torch.Tensor | None] | None = None,
+                     want_head: list[bool] | None = None):
+    """Gradient of :func:`cpr_gdn`'s output for sequence pieces, each from its start state, in the C kernel
+    ``cpr_scan_backward.c`` (reverse time, each chunk recomputed from its entry; fp32, not bitwise).
+
+    Args:
+        q, k, v, g, beta, lengths: the forward's inputs (q unscaled).
+        entries: the forward's ``entries_out`` (``ceil(L_i / C)`` contiguous fp32 ``[H, Dk, Dv]`` states
+            per piece, the first its start state).
+        do: ``[N, H, Dv]`` gradient of the output. chunk_size: C.
+        ds_tail: per piece None or the ``[H, Dk, Dv]`` fp32 gradient of the state entering its chunk
+            ``floor(L_i / C)`` coming from outside the piece (a later context-parallel rank).
+        want_head: per piece whether to return the gradient of its start state.
+
+    Returns:
+        (dq, dk, dv, dg, dbeta, heads): the input gradients (fp32, shapes of the inputs) and per piece
+        its start state's gradient ``[H, Dk, Dv]`` fp32 (None where not wanted).
+
+    Raises:
+        RuntimeError: entries that are not contiguous fp32 states. ValueError: Dv not divisible by 16.
+        MemoryError: the kernel could not allocate its buffers.
+    """
+    import ctypes
+
+    N, H, Dk = k.shape
+    Dv = v.shape[-1]
+    scale = Dk**-0.5
+    qs = (q.float() * scale).contiguous()
+    k, v, beta = (x.float().contiguous() for x in (k, v, beta))
+    decay = torch.exp(g.float()).contiguous()
+    do = do.float().contiguous()
+    dq, dk, dv = (torch.empty(N, H, d, dtype=torch.float32) for d in (Dk, Dk, Dv))
+    dd, db = torch.empty(N, H, dtype=torch.float32), torch.empty(N, H, dtype=torch.float32)
+    row0 = [0]
+    for n in lengths[:-1]:
+        row0.append(row0[-1] + n)
+    r0, ln = torch.tensor(row0, dtype=torch.int64), torch.tensor(lengths, dtype=torch.int64)
+    if not all(e.is_contiguous() and e.dtype == torch.float32 for e in entries):
+        raise RuntimeError("cpr_gdn's chunk entries must be contiguous fp32 [H, Dk, Dv] states")
+    ent = torch.tensor([e.data_ptr() for e in entries], dtype=torch.int64)
+    tails = [None if t is None else t.float().contiguous() for t in (ds_tail or [None] * len(lengths))]
+    heads = [torch.empty(H, Dk, Dv, dtype=torch.float32) if w else None for w in (want_head or [False] * len(lengths))]
+    ptrs = [torch.tensor([0 if t is None else t.data_ptr() for t in ts], dtype=torch.int64) for ts in (tails, heads)]
+    rc = kernel_library(__file__, "cpr_scan_backward.c").isoexec_gdn_backward(
+        *map(c_ptr, (qs, k, v, decay, beta, do, dq, dk, dv, dd, db, ent, *ptrs, r0, ln)),
+        *map(ctypes.c_int64, (len(lengths), H, Dk, Dv, chunk_size)))
+    if rc == -2:
+        raise ValueError(f"the CPU GDN backward needs Dv divisible by 16, got Dv={Dv}")
+    if rc != 0:
+        raise MemoryError("cpr_scan_backward.c could not allocate its state buffers")
+    return dq * scale, dk, dv, dd * decay, db, heads
 
 
 def cpr_gdn(
@@ -209,6 +338,7 @@ def cpr_gdn(
     chunk_size: int,
     keep_state: bool = True,
     entries_out: list[torch.Tensor] | None = None,
+    on_chain: Callable[[list[torch.Tensor]], None] | None = None,
 ) -> tuple[torch.Tensor, list[CPRState | None]]:
     """CPR gated delta rule over a batch of sequence pieces (prefill chunks, decode tokens, trainer sequences).
 
@@ -221,6 +351,10 @@ def cpr_gdn(
             and chunk-ascending (``ceil((n_open + L_i) / C)`` per sequence, each ``[H, Dk, Dv]`` fp32
             contiguous; the state pass's, which the in-chunk scan starts from): what the trainer's
             backward recomputes each chunk from.
+        on_chain: called once the state pass is done and before the in-chunk scans, with each
+            sequence's state entering its open chunk (after its last complete chunk): a
+            context-parallel rank hands the chain on to the next rank here, so that the scans of all
+            ranks run in parallel.
 
     Returns:
         (o ``[N, H, Dv]`` fp32, new states or Nones). Not differentiable (see the module docstring).
@@ -280,6 +414,8 @@ def cpr_gdn(
             S_next = _state_pass_step(S, ck[sel], cv[sel], cb[sel], T[sel], G[sel])
             for j, i in enumerate(members):
                 entries[(i, c + 1)] = S_next[j * H : (j + 1) * H]
+    if on_chain is not None:
+        on_chain([entries[(i, nfull[i])] for i in range(len(states))])
     # ---- segments: new tokens of each touched chunk, scanned from that chunk's start state. A sequence's
     #      last segment leaves its running state: in place when it starts from a running state the
     #      sequence owns (decode), else in a fresh buffer; the final states of other segments, of a segment

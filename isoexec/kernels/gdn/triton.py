@@ -1,5 +1,5 @@
 """CPR Gated DeltaNet in Triton (region ``gdn.core``): state pass over complete chunks, segmented
-token-by-token scan, and decode with a buffered open chunk and resync (DESIGN §3; the algorithm of
+token-by-token scan, and decode with a buffered open chunk and resync (docs/design.md, CPR Gated DeltaNet; the algorithm of
 :mod:`isoexec.kernels.gdn.cpu`, with GPU bits of its own).
 
 Three kernels, each one compiled code path used by every case:

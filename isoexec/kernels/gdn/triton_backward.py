@@ -1,7 +1,7 @@
 """Gradient of the CPR Gated DeltaNet (region ``gdn.core``, ``trainer_fwd``) in Triton, chunkwise.
 
 The trainer's forward is the CPR scan of :mod:`isoexec.kernels.gdn.triton` (bitwise with prefill and
-decode); its backward need not be bitwise (DESIGN §3), so it is the exact gradient of the same function
+decode); its backward need not be bitwise (docs/design.md, The unified model), so it is the exact gradient of the same function
 computed chunkwise with tensor-core dots, as in the chunked WY/UT form of Yang et al. ("Parallelizing
 Linear Transformers with the Delta Rule over Sequence Length", NeurIPS 2024; "Gated Delta Networks",
 ICLR 2025). Per chunk of C tokens, head h, with ``Q`` already scaled by ``Dk**-0.5``, ``G = cumsum(g)``

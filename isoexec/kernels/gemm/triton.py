@@ -16,7 +16,7 @@ persistent grid over tiles with TMA loads (``persistent_tma``); ``kernels.triton
 
 Leaf GEMMs (:func:`linear_leaves`, :func:`grouped_linear_leaves`, :func:`linear_leaves_partial`), the
 row-parallel regions (``attn.out_proj``, ``gdn.out_proj``, expert and shared-expert ``down_proj``) and
-the pik kernels of :mod:`isoexec.kernels.collectives.triton` (DESIGN §3, "Parallelism invariance"): K
+the pik kernels of :mod:`isoexec.kernels.collectives.triton` (docs/design.md, "Parallel invariance (pik)"): K
 is cut into G fixed contiguous leaves over the *global* K; each leaf is the tile program above over its
 K/G features, from a zero accumulator; the G fp32 leaf partials are added by the fixed binary tree that
 pairs adjacent nodes, ``((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7))``, and rounded once. A program either

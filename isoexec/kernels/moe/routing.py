@@ -2,7 +2,7 @@
 deterministic top-k router and the routing-order combine.
 
 Semantics of transformers' ``Qwen3NextSparseMoeBlock`` (softmax router in fp32, top-k, optional
-renormalisation); IsoExec rules (DESIGN §3, MoE): top-k by a stable descending sort, so ties go to
+renormalisation); IsoExec rules (docs/design.md, The kernels, MoE): top-k by a stable descending sort, so ties go to
 the lower expert id; each token sums its top-k expert outputs in routing order (rank 0 first) in
 fp32, whichever device or rank computed each expert.
 """

@@ -10,6 +10,8 @@ routing-order fp32 combine and the sigmoid gate of the shared expert.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from isoexec.kernels.autograd import with_ref_grad
@@ -23,18 +25,23 @@ from isoexec.kernels.gemm.triton import (
 from isoexec.kernels.moe.routing import iso_route
 from isoexec.kernels.primitives import sigmoid, silu
 
-_STACK_CACHE: dict = {}
+_STACK_CACHE: dict[int, tuple] = {}
+"""One entry per (layer, weight kind): ``id`` of its first expert weight -> (weak reference to it, the
+weights' (storage, version) key, the ``[E, N, K]`` stack)."""
 
 
 def _stacked(experts, which: int) -> torch.Tensor:
-    """``[E, N, K]`` stack of expert weights, cached while the weights are unchanged (same storage and version)."""
+    """``[E, N, K]`` stack of one weight kind of one layer's experts, cached per layer while the weights are
+    unchanged (same storage and version); an entry goes when its model does."""
     ws = [e[which] for e in experts]
-    key = (which, tuple((w.data_ptr(), w._version) for w in ws))
-    hit = _STACK_CACHE.get(which)
-    if hit is None or hit[0] != key:
-        hit = (key, torch.stack([w.detach() for w in ws]))
-        _STACK_CACHE[which] = hit
-    return hit[1]
+    key = tuple((w.data_ptr(), w._version) for w in ws)
+    hit = _STACK_CACHE.get(id(ws[0]))
+    if hit is None or hit[0]() is not ws[0] or hit[1] != (which, key):
+        for k in [k for k, v in _STACK_CACHE.items() if v[0]() is None]:
+            del _STACK_CACHE[k]
+        hit = (weakref.ref(ws[0]), (which, key), torch.stack([w.detach() for w in ws]))
+        _STACK_CACHE[id(ws[0])] = hit
+    return hit[2]
 
 
 def router(x, router_w, top_k: int, norm_topk_prob: bool, cfg):

@@ -10,11 +10,13 @@ Pieces, all plugged into SkyRL's extension points (no SkyRL file is edited):
   shards) and ``get_trainer``; its
   ``run`` composes the hooks as ``BasePPOExp._setup_trainer`` does, but hands
   ``RayPPOTrainer.build_models`` isoexec's policy worker (SkyRL's stock FSDP and Megatron workers
-  need CUDA, and the FSDP module does not import without ``peft``) and no critic / reference.
+  need CUDA, and the FSDP module does not import without ``peft``) and no critic / reference. Before the
+  first step it compares the weights every engine and the trainer hold at load
+  (``weight_sync.check_weights_at_load``) and records both sides' digests in ``provenance.json``.
 - ``SkyRLGymGenerator`` (batched, single turn) with the task registered in skyrl-gym
   (:mod:`isoexec.rl.skyrl.env`); SkyRL's GRPO estimator and ``regular`` (DAPO clip-higher) loss
   chosen by config (:mod:`isoexec.rl.skyrl.render`).
-- :class:`IsoExecPPOTrainer`: ``RayPPOTrainer`` that also measures DESIGN section 4's metrics at the
+- :class:`IsoExecPPOTrainer`: ``RayPPOTrainer`` that also measures the metrics of docs/design.md (Metrics) at the
   points where SkyRL has the data (rewards after generation, rollout vs pre-update trainer logprobs
   after SkyRL's policy forward), and :class:`MetricsCallback` (a SkyRL ``TrainingCallback``) writing
   one ``metrics.jsonl`` row per step under the plain loop's names (:mod:`isoexec.rl.metrics`).
@@ -45,6 +47,7 @@ import logging
 import os
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +55,7 @@ import numpy as np
 import torch
 
 from isoexec.config import ExperimentConfig
+from isoexec.engines.weight_sync import check_weights_at_load
 from isoexec.io import atomic_write_json
 from isoexec.provenance import provenance
 from isoexec.rl import metrics
@@ -211,10 +215,12 @@ class IsoExecPPOExp(BasePPOExp):
     """
 
     def __init__(self, cfg, exp: ExperimentConfig, arm: Arm, seed: int, metrics_path: Path, session: "Session",
-                 engine_exp: ExperimentConfig | None = None):
+                 engine_exp: ExperimentConfig | None = None,
+                 on_load: Callable[[dict[str, Any]], None] | None = None):
         self.exp, self.arm, self.seed, self.metrics_path = exp, arm, seed, metrics_path
         self.session = session
         self.engine_exp = engine_exp or exp
+        self.on_load = on_load
         super().__init__(cfg)
 
     def get_train_dataset(self) -> PromptDataset:
@@ -250,7 +256,13 @@ class IsoExecPPOExp(BasePPOExp):
             self.session.group = trainer.policy_model
         else:
             trainer.reuse_models(self.session.group)
-        self.session.engines_ready()  # the engines are up (or an engine's error surfaces here)
+        engines = self.session.engines_ready()  # the engines are up (or an engine's error surfaces here)
+        infos = trainer.policy_model.actor_infos  # every rank joins the gather; rank 0's copy is compared
+        held = ray.get([a.handle.isoexec_load_checksums.remote() for a in infos])
+        trained = next(h for a, h in zip(infos, held) if a.rank.is_collection_dp_rank())
+        loaded = [check_weights_at_load(e["load_checksums"], trained) for e in engines]  # refused on any difference
+        if self.on_load is not None:
+            self.on_load({"engine": [x["engine"] for x in loaded], "trainer": loaded[0]["trainer"]})
         asyncio.run(trainer.train())
         return trainer
 
@@ -306,13 +318,17 @@ class Session:
             self._engines = [ray.remote(num_cpus=0)(EngineActor).remote(
                 checkpoint, mode, config_json, seed, True, self.threads, shard) for shard in range(n)]
             self._engine_key = (checkpoint, n)
-            self._pending = [a.info.remote() for a in self._engines]
+            self._pending = []
         return list(self._engines)
 
-    def engines_ready(self) -> None:
-        """Wait until the engines started or restarted by :meth:`engines` are up (raises an engine's error)."""
+    def engines_ready(self) -> list[dict[str, Any]]:
+        """Wait until the engines started or restarted by :meth:`engines` are up (raises an engine's error);
+        returns each engine's :meth:`EngineActor.info`. An engine kept from an earlier run reports the
+        checksums of its load of the same checkpoint (the session keeps engines only on one checkpoint);
+        what it holds since is replaced by the run's first checked weight sync, before any generation."""
         pending, self._pending = self._pending, []
         ray.get(pending)
+        return ray.get([a.info.remote() for a in self._engines])
 
     def run(self, config: ExperimentConfig, arm: Arm, seed: int, init_dir: str | Path, out_dir: Path, steps: int,
             command: str | None = None, engine_config: ExperimentConfig | None = None) -> list[dict[str, Any]]:
@@ -324,6 +340,9 @@ class Session:
             ValueError: the run's trainer world size is not the session's (:meth:`fits`).
             isoexec.contract.ContractMismatch: isoexec mode, the engine's and the trainer's contracts
                 differ (raised at the first weight sync, before training; surfaced through Ray).
+            isoexec.engines.weight_sync.WeightSyncError: an engine and the trainer hold different weights at
+                load (before the first step; ``provenance.json`` records both sides' checksums when they agree,
+                under ``weights_at_load``).
         """
         if not self.fits(config, arm.mode):
             raise ValueError(f"arm {arm.name} trains on {config.trainer.world_size(arm.mode)} ranks, this session's "
@@ -343,7 +362,13 @@ class Session:
             atomic_write_json(out_dir / "provenance.json", prov)
             self.runs += 1
             t0 = time.perf_counter()
-            exp = IsoExecPPOExp(cfg, config, arm, seed, out_dir / "metrics.jsonl", self, engine_exp=engine_config)
+
+            def weights_at_load(res: dict[str, Any]) -> None:  # the load-time weight handshake passed: record it
+                prov["weights_at_load"] = res
+                atomic_write_json(out_dir / "provenance.json", prov)
+
+            exp = IsoExecPPOExp(cfg, config, arm, seed, out_dir / "metrics.jsonl", self, engine_exp=engine_config,
+                                on_load=weights_at_load)
             exp.run()
             rows = exp.metrics.log.rows
             # the run's wall time and what of it lies outside its steps (start-up: processes or rebuilds, the
@@ -388,7 +413,7 @@ def run_skyrl(config: ExperimentConfig, arm: str, seed: int, init_dir: str | Pat
 
     Raises:
         ValueError: ``arm`` is not an arm of the experiment.
-        isoexec.contract.ContractMismatch: see :meth:`Session.run`.
+        isoexec.contract.ContractMismatch, isoexec.engines.weight_sync.WeightSyncError: see :meth:`Session.run`.
     """
     the_arm = find_arm(config, arm)
     with Session(config, the_arm.mode, threads) as session:

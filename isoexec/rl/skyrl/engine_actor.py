@@ -94,12 +94,13 @@ class EngineActor:
         self.rows: dict[tuple[tuple[int, ...], tuple[int, ...]], np.ndarray] = {}
 
     def info(self) -> dict[str, Any]:
-        """``mode``, ``vocab_size`` and the engine contract (canonical JSON, None in native mode)."""
+        """``mode``, ``vocab_size``, the engine contract (canonical JSON, None in native mode) and the
+        checksums of the weights the engine held at load (``RolloutEngine.load_checksums``)."""
         from isoexec.contract import encode
 
         c = self.engine.contract
         return {"mode": self.engine.mode, "vocab_size": self.engine.vocab_size,
-                "contract": None if c is None else encode(c)}
+                "contract": None if c is None else encode(c), "load_checksums": self.engine.load_checksums}
 
     def generate(self, prompt_token_ids: list[list[int]], max_tokens: int, temperature: float) -> dict[str, Any]:
         """One sample per prompt, all prompts submitted together.

@@ -28,6 +28,11 @@ The whole experiment and the mode also travel to the trainer worker in
 ``trainer.policy.model_config_kwargs["isoexec"]`` (:mod:`isoexec.rl.skyrl.worker`), and to the
 engine actor as its constructor argument, so every IsoExec setting reaches both sides; the contract
 handshake at each weight sync checks that they agree.
+
+Two renderings: :func:`local_overrides` (a paired-run half on this machine, run by
+:mod:`isoexec.rl.skyrl.driver`) and :func:`recipe_overrides` (a GPU node, SkyRL's own entry point:
+the native arm with SkyRL's stock Megatron worker, the isoexec arm with isoexec's worker through
+:mod:`isoexec.rl.skyrl.recipe`).
 """
 
 from __future__ import annotations
@@ -36,8 +41,19 @@ from pathlib import Path
 from typing import Any
 
 from isoexec.config import ExperimentConfig
-from isoexec.rl.skyrl.env import ENV_ID
-from isoexec.rl.skyrl.worker import SETTINGS_KEY
+from isoexec.rl.skyrl import compat
+
+compat.install()  # before the first skyrl import (compat item 1)
+
+from isoexec.rl.skyrl.env import ENV_ID  # noqa: E402
+from isoexec.rl.skyrl.worker import SETTINGS_KEY  # noqa: E402
+
+ENTRYPOINT_KEY = "trainer.override_entrypoint"
+"""SkyRL's launcher key (``skyrl/train/entrypoints/main_base.py``, ``main``): the module whose ``main()`` runs
+the experiment instead of SkyRL's own; read from the command line, not a config field."""
+
+RECIPE_ENTRYPOINT = "isoexec.rl.skyrl.recipe"
+"""The entry of the recipe's isoexec arm (isoexec's policy worker, the checked sync to SkyRL's servers)."""
 
 
 def algorithm_overrides(exp: ExperimentConfig, data_parallel: int = 1) -> dict[str, Any]:
@@ -92,6 +108,62 @@ def algorithm_overrides(exp: ExperimentConfig, data_parallel: int = 1) -> dict[s
     }
 
 
+def train_prompts(exp: ExperimentConfig) -> int:
+    """The number of train prompts :func:`isoexec.rl.skyrl.env.write_train_data` writes for the experiment (the
+    embedded task's train split, or the rows of ``task.data_path``, counted from its parquet metadata)."""
+    if exp.task.data_path is None:
+        from isoexec.rl.data import embedded_rows
+
+        return len(embedded_rows(exp.task)[0])
+    import pyarrow.parquet as pq
+
+    return pq.ParquetFile(exp.task.data_path).metadata.num_rows
+
+
+def epochs_for(steps: int, prompts: int, exp: ExperimentConfig) -> int:
+    """``trainer.epochs``: the passes over ``prompts`` train prompts that ``steps`` RL steps can need.
+
+    SkyRL stops at ``trainer.max_training_steps``; its "Total steps" log line counts the batches of
+    ``trainer.epochs`` passes (``skyrl/train/utils/trainer_utils.py``, ``build_dataloader``). A step takes one
+    batch of ``rl.prompts_per_step`` prompts, or with dynamic sampling up to SkyRL's
+    ``dynamic_sampling.max_sample_batches`` (after that SkyRL stops the run).
+
+    Raises:
+        ValueError: fewer prompts than one batch.
+    """
+    from skyrl.train.config.config import DynamicSamplingConfig
+
+    batches = prompts // exp.rl.prompts_per_step  # SkyRL's train loader drops the last partial batch
+    if batches < 1:
+        raise ValueError(f"the train data has {prompts} prompts, fewer than rl.prompts_per_step={exp.rl.prompts_per_step}")
+    per_step = DynamicSamplingConfig().max_sample_batches if exp.rl.dynamic_sampling else 1
+    return -(-steps * per_step // batches)
+
+
+def trainer_overrides(exp: ExperimentConfig, mode: str) -> tuple[dict[str, Any], int]:
+    """``trainer.strategy`` and placement of isoexec's policy worker for ``mode``, and SkyRL's data-parallel size.
+
+    ``megatron``: SkyRL's own strategy name with the trainer's tp / ep / cp, so that SkyRL's validation counts
+    the data-parallel size as world / (tp * cp) (the worker gives every rank the whole batch); else ``fsdp``,
+    SkyRL's default name. Either way the worker class is isoexec's, and it starts the trainer's world size of
+    ranks.
+    """
+    world = exp.trainer.world_size(mode)
+    out: dict[str, Any] = {"trainer.placement.policy_num_nodes": 1, "trainer.placement.policy_num_gpus_per_node": world}
+    if exp.trainer.backend_for(mode) == "megatron":
+        out.update({"trainer.strategy": "megatron",
+                    "trainer.policy.megatron_config.tensor_model_parallel_size": exp.trainer.tp,
+                    "trainer.policy.megatron_config.expert_model_parallel_size": exp.trainer.ep,
+                    "trainer.policy.megatron_config.context_parallel_size": exp.trainer.cp})
+        return out, world // (exp.trainer.tp * exp.trainer.cp)
+    return {**out, "trainer.strategy": "fsdp"}, world
+
+
+def worker_settings(exp: ExperimentConfig, mode: str, threads: int = 1) -> dict[str, Any]:
+    """``trainer.policy.model_config_kwargs``: the mode and the whole experiment for isoexec's policy worker."""
+    return {SETTINGS_KEY: {"mode": mode, "experiment": exp.model_dump_json(), "threads": threads}}
+
+
 def local_overrides(exp: ExperimentConfig, mode: str, seed: int, init_dir: str | Path, train_data: str | Path,
                     run_dir: str | Path, steps: int, threads: int = 1) -> dict[str, Any]:
     """Overrides for one paired-run half on this machine: isoexec's worker and engine, Ray local.
@@ -108,32 +180,19 @@ def local_overrides(exp: ExperimentConfig, mode: str, seed: int, init_dir: str |
     """
     run_dir = Path(run_dir)
     e = exp.engine
-    world = exp.trainer.world_size(mode)
-    if exp.trainer.backend_for(mode) == "megatron":
-        # SkyRL's own name for a Megatron policy, so that its validation counts the data-parallel size as
-        # world / tp; the worker class is isoexec's (see driver), which gives every rank the whole batch.
-        strategy = {"trainer.strategy": "megatron",
-                    "trainer.policy.megatron_config.tensor_model_parallel_size": exp.trainer.tp,
-                    "trainer.policy.megatron_config.expert_model_parallel_size": exp.trainer.ep}
-        data_parallel = world // exp.trainer.tp
-    else:
-        strategy = {"trainer.strategy": "fsdp"}  # names SkyRL's default; the worker class is isoexec's
-        data_parallel = world
+    trainer, data_parallel = trainer_overrides(exp, mode)
     return {
         "data.train_data": [str(train_data)],
         "data.val_data": [],
         "data.dataloader.num_workers": 0,
         "trainer.policy.model.path": str(init_dir),
-        "trainer.policy.model_config_kwargs": {
-            SETTINGS_KEY: {"mode": mode, "experiment": exp.model_dump_json(), "threads": threads}},
-        **strategy,
+        "trainer.policy.model_config_kwargs": worker_settings(exp, mode, threads),
+        **trainer,
         "trainer.placement.colocate_all": False,
         "trainer.placement.colocate_policy_ref": False,
-        "trainer.placement.policy_num_nodes": 1,
-        "trainer.placement.policy_num_gpus_per_node": world,
         "trainer.critic.model.path": None,
         "trainer.seed": seed,
-        "trainer.epochs": 1_000,
+        "trainer.epochs": epochs_for(steps, train_prompts(exp), exp),
         "trainer.max_training_steps": steps,
         "trainer.resume_mode": "none",
         "trainer.ckpt_interval": 0,
@@ -184,7 +243,7 @@ def build(overrides: dict[str, Any]):
     from skyrl.train.config import SkyRLTrainConfig
     from skyrl.train.utils import validate_cfg
 
-    cfg = SkyRLTrainConfig.from_cli_overrides(dict(overrides))
+    cfg = SkyRLTrainConfig.from_cli_overrides({k: v for k, v in overrides.items() if k != ENTRYPOINT_KEY})
     validate_cfg(cfg)
     return cfg
 
@@ -192,37 +251,75 @@ def build(overrides: dict[str, Any]):
 def recipe_overrides(exp: ExperimentConfig, mode: str) -> dict[str, Any]:
     """Overrides for SkyRL's own entry point on a GPU node (``experiments/*`` with a ``skyrl`` section).
 
-    SkyRL's Megatron policy worker and SkyRL's vLLM servers, colocated. In isoexec mode the servers
-    build the isoexec architecture (registered in every vLLM process by the ``vllm.general_plugins``
-    entry point ``isoexec``), with the experiment's kernel section and raw-logit logprobs, exactly
-    as :class:`isoexec.engines.vllm_engine.RolloutEngine` configures an in-process engine.
+    Both arms generate on SkyRL's vLLM servers and train with Megatron:
+
+    - ``native``: SkyRL's stock Megatron policy worker (``trainer.strategy: megatron``, the ``skyrl``
+      section's ``megatron_tp`` / ``megatron_ep`` on ``num_gpus``), vLLM's own model on
+      ``inference_engines`` x ``inference_tp`` GPUs, logprobs of the sampled distribution;
+    - ``isoexec``: isoexec's policy worker through :data:`RECIPE_ENTRYPOINT` (SkyRL's
+      :data:`ENTRYPOINT_KEY`), the Megatron trainer of the ``trainer`` section (its layout checked against
+      the isoexec kernel set's proven topology when the experiment loaded) on its world size of GPUs; one
+      vLLM server per trainer GPU at TP 1 (the unified model is not sharded inside vLLM) building the
+      isoexec architecture (``vllm.general_plugins`` entry point ``isoexec``, registered in every vLLM
+      process) with the kernel section, raw-logit logprobs, the per-request sampling guard and the
+      token-id renderer, exactly as :class:`isoexec.engines.vllm_engine.RolloutEngine` builds an in-process
+      engine, and the worker extension whose weight update is the plugin's checked path
+      (:mod:`isoexec.rl.skyrl.servers`).
 
     Raises:
-        ValueError: the experiment has no ``skyrl`` section, or ``mode`` is not native / isoexec.
+        ValueError: the experiment has no ``skyrl`` section, ``mode`` is not native / isoexec, or the isoexec
+            arm's trainer is not Megatron or needs more GPUs than ``skyrl.num_gpus``.
     """
+    from isoexec.engines.requests import GUARD, RENDERER_MODE
     from isoexec.engines.vllm_plugin import ARCH, DEFAULT_FACTORY, REQUIRED_LOGPROBS_MODE
+    from isoexec.rl.skyrl.servers import SERVER_EXTENSION
 
     if exp.skyrl is None:
         raise ValueError(f"experiment {exp.name!r} has no skyrl section (model_path, train_data, cluster)")
     if mode not in ("native", "isoexec"):
         raise ValueError(f"mode must be 'native' or 'isoexec', got {mode!r}")
     s, e = exp.skyrl, exp.engine
-    init_kwargs: dict[str, Any] = {"logprobs_mode": "processed_logprobs"}
-    if mode == "isoexec":
-        init_kwargs = {"logprobs_mode": REQUIRED_LOGPROBS_MODE,
-                       "hf_overrides": {"architectures": [ARCH], "isoexec_model_factory": DEFAULT_FACTORY,
-                                        "isoexec_kernels": exp.kernels.model_dump(mode="json")}}
+    if mode == "native":
+        arm: dict[str, Any] = {
+            "trainer.strategy": "megatron",
+            "trainer.policy.megatron_config.tensor_model_parallel_size": s.megatron_tp,
+            "trainer.policy.megatron_config.expert_model_parallel_size": s.megatron_ep,
+            "trainer.placement.policy_num_nodes": 1,
+            "trainer.placement.policy_num_gpus_per_node": s.num_gpus,
+            "generator.inference_engine.num_engines": s.inference_engines,
+            "generator.inference_engine.tensor_parallel_size": s.inference_tp,
+            "generator.inference_engine.engine_init_kwargs": {"logprobs_mode": "processed_logprobs"},
+        }
+    else:
+        if exp.trainer.backend_for(mode) != "megatron":
+            raise ValueError(f"the recipe's isoexec arm trains with isoexec's Megatron trainer; trainer.backend is "
+                             f"{exp.trainer.backend_for(mode)!r} for isoexec: set it to megatron with trainer.tp / ep")
+        trainer, _ = trainer_overrides(exp, mode)
+        world = exp.trainer.world_size(mode)
+        if world > s.num_gpus:
+            raise ValueError(f"the isoexec trainer (tp={exp.trainer.tp}, ep={exp.trainer.ep}) needs {world} GPUs, "
+                             f"skyrl.num_gpus={s.num_gpus}")
+        arm = {
+            ENTRYPOINT_KEY: RECIPE_ENTRYPOINT,
+            **trainer,
+            "trainer.policy.model_config_kwargs": worker_settings(exp, mode),
+            "generator.inference_engine.num_engines": world,
+            "generator.inference_engine.tensor_parallel_size": 1,
+            "generator.inference_engine.enforce_eager": True,
+            "generator.inference_engine.engine_init_kwargs": {
+                "logprobs_mode": REQUIRED_LOGPROBS_MODE,
+                "logits_processors": [GUARD],
+                "tokenizer_mode": RENDERER_MODE,
+                "worker_extension_cls": SERVER_EXTENSION,
+                "hf_overrides": {"architectures": [ARCH], "isoexec_model_factory": DEFAULT_FACTORY,
+                                 "isoexec_kernels": exp.kernels.model_dump(mode="json")}},
+        }
     n_seq = exp.rl.prompts_per_step * exp.rl.group_size
     return {
         "data.train_data": [s.train_data],
         "data.val_data": [],
         "trainer.policy.model.path": s.model_path,
-        "trainer.strategy": "megatron",
-        "trainer.policy.megatron_config.tensor_model_parallel_size": s.megatron_tp,
-        "trainer.policy.megatron_config.expert_model_parallel_size": s.megatron_ep,
         "trainer.placement.colocate_all": s.colocate,
-        "trainer.placement.policy_num_nodes": 1,
-        "trainer.placement.policy_num_gpus_per_node": s.num_gpus,
         "trainer.critic.model.path": None,
         "trainer.epochs": 1_000,
         "trainer.max_training_steps": exp.rl.steps,
@@ -242,16 +339,14 @@ def recipe_overrides(exp: ExperimentConfig, mode: str) -> dict[str, Any]:
         "generator.max_turns": 1,
         "generator.use_cache_salt": False,
         "generator.inference_engine.backend": "vllm",
-        "generator.inference_engine.num_engines": s.inference_engines,
-        "generator.inference_engine.tensor_parallel_size": s.inference_tp,
         "generator.inference_engine.model_dtype": exp.model.dtype,
         "generator.inference_engine.enable_prefix_caching": e.enable_prefix_caching,
         "generator.inference_engine.enable_chunked_prefill": e.enable_chunked_prefill,
         "generator.inference_engine.max_num_batched_tokens": e.max_num_batched_tokens,
         "generator.inference_engine.max_num_seqs": max(e.max_num_seqs, n_seq),
         "generator.inference_engine.gpu_memory_utilization": s.gpu_memory_utilization,
-        "generator.inference_engine.engine_init_kwargs": init_kwargs,
         "environment.env_class": s.env_class,
+        **arm,
     }
 
 
@@ -263,7 +358,10 @@ entry point of the installed isoexec."""
 
 
 def launch_command(overrides: dict[str, Any], python: str = "python") -> list[str]:
-    """SkyRL's entry point with the overrides as ``key=value`` arguments (its CLI form)."""
+    """SkyRL's entry point with the overrides as ``key=value`` arguments (its CLI form); the
+    :data:`ENTRYPOINT_KEY` first and bare, as SkyRL's ``main`` reads it (the value after ``=`` is the module)."""
     from skyrl.train.config.config import overrides_dict_to_dotlist
 
-    return [python, "-m", "skyrl.train.entrypoints.main_base", *overrides_dict_to_dotlist(dict(overrides))]
+    rest = {k: v for k, v in overrides.items() if k != ENTRYPOINT_KEY}
+    entry = [f"{ENTRYPOINT_KEY}={overrides[ENTRYPOINT_KEY]}"] if ENTRYPOINT_KEY in overrides else []
+    return [python, "-m", "skyrl.train.entrypoints.main_base", *entry, *overrides_dict_to_dotlist(rest)]

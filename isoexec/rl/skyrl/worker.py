@@ -22,7 +22,7 @@ with no edit to SkyRL:
   which finalizes Megatron's gradients and clips by the TP/EP-aware norm).
 - :class:`IsoExecPolicyWorker`: one rank of the worker group. SkyRL starts
   ``trainer.placement.policy_num_gpus_per_node`` of them as Ray actors (the rendered config sets it to
-  the trainer's world size: ``trainer.tp`` x ``trainer.ep`` ranks for ``megatron``, 1 otherwise);
+  the trainer's world size: ``trainer.cp`` x ``max(trainer.tp, trainer.ep)`` ranks for ``megatron``, 1 otherwise);
   they form one gloo group, and for ``megatron`` each builds its shard of the model on the Megatron
   groups of the layout (:func:`isoexec.trainer.megatron.launch.init_parallel`). Every rank receives
   the whole batch (SkyRL's mesh: one data-parallel rank; Megatron's replicas want the same data) and
@@ -318,6 +318,15 @@ class IsoExecPolicyWorker(PolicyWorkerBase):
         float32 on rank 0 (empty on the others), then forgets them."""
         rows, self.model.kept = self.model.kept, []
         return torch.cat(rows) if rows else torch.empty(0)
+
+    def isoexec_load_checksums(self) -> dict[str, str]:
+        """Checksums (HF names) of the weights this trainer holds, as a weight sync would send them; a
+        collective for ``megatron`` (every rank joins the gather, every rank gets them). Called once before the
+        first step, for the load-time weight handshake with the engines."""
+        from isoexec.engines.weight_sync import state_checksums
+        from isoexec.trainer.base import sync_state
+
+        return state_checksums(sync_state(self.policy))
 
     def isoexec_contract(self) -> bytes | None:
         """The trainer's contract (canonical JSON), None in native mode."""

@@ -215,7 +215,15 @@ def causal_padding_mask(lengths: torch.Tensor, seq_len: int) -> torch.Tensor:
     return (causal[None] | pad[:, None, :])[:, None]
 
 
+def key_padding_mask(lengths: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """The padding part of :func:`causal_padding_mask` alone, ``[B, 1, 1, L]`` bool, True where key
+    ``j >= lengths[b]`` (Megatron's convention; it broadcasts over the query rows): what the ``isoexec``
+    modules read (the real lengths, :func:`padding_lengths`), without the ``L x L`` causal part. Under
+    context parallelism every rank gets the whole sequence's mask."""
+    return (torch.arange(seq_len, device=lengths.device)[None, :] >= lengths[:, None])[:, None, None]
+
+
 def padding_lengths(mask: torch.Tensor) -> list[int]:
-    """The real lengths (host ints, one per row) of a mask from :func:`causal_padding_mask`: the keys
-    its last query row may see."""
+    """The real lengths (host ints, one per row) of a mask from :func:`causal_padding_mask` or
+    :func:`key_padding_mask`: the keys its last query row may see."""
     return (~mask[:, 0, -1, :]).sum(-1).tolist()

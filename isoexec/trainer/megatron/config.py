@@ -35,15 +35,18 @@ class Layout:
             Megatron's MoE needs it whenever tp > 1 in training, so ``sp=False`` is refused at tp > 1.
         etp: expert tensor-parallel degree (each routed expert's intermediate dim split over ranks);
             None means ``tp`` when ``ep == 1``, else 1.
+        cp: context-parallel degree (each sequence split over ranks in contiguous slices,
+            :mod:`isoexec.kernels.collectives.cp`; Megatron's ``context_parallel_size``).
 
-    The world size is ``max(tp, ep * etp)``; ranks that hold the same TP shard are data-parallel
-    replicas and receive the same batch.
+    The world size is ``cp * max(tp, ep * etp)``; ranks that hold the same TP shard and CP slice are
+    data-parallel replicas and receive the same batch.
     """
 
     tp: int = 1
     ep: int = 1
     sp: bool = False
     etp: int | None = None
+    cp: int = 1
 
     @property
     def expert_tp(self) -> int:
@@ -51,26 +54,30 @@ class Layout:
 
     @property
     def world_size(self) -> int:
-        return max(self.tp, self.ep * self.expert_tp)
+        return self.cp * max(self.tp, self.ep * self.expert_tp)
 
     @property
     def name(self) -> str:
-        """Short name for tables: ``tp1``, ``tp2_sp``, ``ep2``, ``tp2_sp_ep2`` (``_etp<n>`` when set)."""
+        """Short name for tables: ``tp1``, ``tp2_sp``, ``ep2``, ``tp2_sp_ep2`` (``_etp<n>`` when set,
+        ``_cp<n>`` for context parallelism)."""
         parts = [f"tp{self.tp}"] if self.tp > 1 or self.ep == 1 else []
         parts += ["sp"] if self.sp else []
         parts += [f"ep{self.ep}"] if self.ep > 1 else []
         parts += [f"etp{self.etp}"] if self.etp is not None else []
+        parts += [f"cp{self.cp}"] if self.cp > 1 else []
         return "_".join(parts)
 
     def degrees(self) -> dict[str, int]:
         """The degrees as :func:`isoexec.contract.check_topology` takes them: ``tp``, ``ep``, ``sp``
-        (``tp`` under sequence parallelism, else 1) and ``dp`` (replicas of each TP shard)."""
-        return {"tp": self.tp, "ep": self.ep, "sp": self.tp if self.sp else 1, "dp": self.world_size // self.tp}
+        (``tp`` under sequence parallelism, else 1), ``dp`` (replicas of each TP shard and CP slice)
+        and ``cp``."""
+        return {"tp": self.tp, "ep": self.ep, "sp": self.tp if self.sp else 1,
+                "dp": self.world_size // (self.tp * self.cp), "cp": self.cp}
 
     def check(self) -> "Layout":
         """Raises ValueError naming the bad value: degrees not >= 1, sp without tp > 1 or tp > 1
         without sp, or a world size that the TP or expert grid does not divide."""
-        for name, v in (("tp", self.tp), ("ep", self.ep), ("etp", self.expert_tp)):
+        for name, v in (("tp", self.tp), ("ep", self.ep), ("etp", self.expert_tp), ("cp", self.cp)):
             if v < 1:
                 raise ValueError(f"{name}={v} must be >= 1")
         if self.tp > 1 and not self.sp:
@@ -188,4 +195,5 @@ def transformer_config(hf_config, layout: Layout, dtype: torch.dtype):
         sequence_parallel=layout.sp,
         expert_model_parallel_size=layout.ep,
         expert_tensor_parallel_size=layout.expert_tp,
+        context_parallel_size=layout.cp,
     )

@@ -39,7 +39,7 @@ def init_parallel(layout: Layout, rank: int | None = None, world_size: int | Non
             GPU count) before joining.
 
     Returns:
-        ``{"tp", "ep", "etp", "dp"}``: the process groups of this rank (Megatron's).
+        ``{"tp", "ep", "etp", "dp", "cp"}``: the process groups of this rank (Megatron's).
 
     Raises:
         ValueError: the world size differs from ``layout.world_size``, or the layout is invalid.
@@ -65,6 +65,7 @@ def init_parallel(layout: Layout, rank: int | None = None, world_size: int | Non
         tensor_model_parallel_size=layout.tp,
         expert_model_parallel_size=layout.ep,
         expert_tensor_parallel_size=layout.expert_tp,
+        context_parallel_size=layout.cp,
         create_gloo_process_groups=False,
     )
     compat.init_rng_tracker()
@@ -72,11 +73,13 @@ def init_parallel(layout: Layout, rank: int | None = None, world_size: int | Non
 
 
 def groups() -> dict[str, object]:
-    """This rank's Megatron process groups: ``tp``, ``ep`` (experts), ``etp`` (expert TP), ``dp``."""
+    """This rank's Megatron process groups: ``tp``, ``ep`` (experts), ``etp`` (expert TP), ``dp``, ``cp``
+    (context parallel)."""
     from megatron.core import parallel_state as ps
 
     return {"tp": ps.get_tensor_model_parallel_group(), "ep": ps.get_expert_model_parallel_group(),
-            "etp": ps.get_expert_tensor_parallel_group(), "dp": ps.get_data_parallel_group()}
+            "etp": ps.get_expert_tensor_parallel_group(), "dp": ps.get_data_parallel_group(),
+            "cp": ps.get_context_parallel_group()}
 
 
 def shutdown() -> None:

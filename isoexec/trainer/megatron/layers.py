@@ -9,7 +9,7 @@ calls into a :class:`~isoexec.kernels.KernelSet`, with the same operation order 
   kernel on the rank's output features; its GEMM computes each column by its own FMA chain, so a column
   has the same bits whichever shard (and position in it) holds it. Inputs gathered over the sequence (SP) or copied (TP) with
   Megatron's mappings; no arithmetic in the collective.
-* :class:`IsoRowParallelLinear` (``attn.out_proj``, ``gdn.out_proj``): pik (DESIGN §3): the rank's
+* :class:`IsoRowParallelLinear` (``attn.out_proj``, ``gdn.out_proj``): pik (docs/design.md, Parallel invariance (pik)): the rank's
   subtree of the region's ``leaves`` fixed leaves over the global K, then the upper tree levels after
   an all-gather (or the pik reduce-scatter under SP).
 * :class:`IsoCoreAttention`, :class:`IsoSelfAttention`: RoPE, our blockwise attention per sequence,
@@ -34,6 +34,13 @@ all-reduce, all-gather through the pik reduce-scatter, reduce-scatter through th
 
 A padded batch's real lengths reach the sequence regions through the attention mask
 (:func:`isoexec.trainer.megatron.compat.padding_lengths`).
+
+Context parallelism (Megatron's ``context_parallel_size``; :mod:`isoexec.kernels.collectives.cp`): the
+sequence dim ``s`` of every module is this rank's two load-balanced chunks (:func:`cp_slice`). Per-token
+regions (projections, norms, gating, MoE, ``lm_head``) need nothing else; RoPE takes the absolute
+positions; :class:`IsoCoreAttention` reads the CP-gathered K/V from position 0; :class:`IsoGatedDeltaNet`
+takes each chunk's conv prefix and GDN state chain from the holders of the chunks before it. Backward:
+the gathers' reduce-scatter and the chain's gradients sent back chunk to chunk.
 """
 
 from __future__ import annotations
@@ -53,6 +60,7 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 
 from isoexec.kernels import KernelSet
 from isoexec.kernels.attention.rope import rope_cos_sin, rope_inv_freq
+from isoexec.kernels.collectives.cp import ChainExchange, SequenceSlice
 from isoexec.kernels.collectives.pik import pik_all_reduce, pik_reduce_scatter, pik_row_parallel_partial, pik_tree_combine
 from isoexec.trainer.megatron.compat import DEVICE, padding_lengths
 from isoexec.trainer.megatron.spec import GatedSelfAttention
@@ -138,6 +146,36 @@ class CpuShards:
         return routed_swiglu_partial(x, ids, dict(zip(local_ids, weights)), etp, c["row_tile"], c["col_tile"],
                                      c["leaves"])
 
+    def gdn_pieces(self, q, k, v, g, beta, piece: SequenceSlice, full: list[int]) -> torch.Tensor:
+        """Region ``gdn.core`` on this CP rank's rows of the sequences of global lengths ``full`` (the
+        inputs hold each sequence's real local rows, sequence after sequence, its local chunks in order):
+        per local chunk :class:`~isoexec.kernels.gdn.cpu.CPRPieceFunction`, the chain exchanged with the
+        holders of the neighbouring chunks (:class:`~isoexec.kernels.collectives.cp.ChainExchange`). Inputs
+        as the region's (fp32); returns ``o [N, H, Dv]`` fp32 with the bits of the whole sequences' rows."""
+        from isoexec.kernels.gdn.cpu import CPRPieceFunction
+
+        counts = piece.chunk_lengths(full)  # [slot][sequence]
+        offs, acc = [], 0  # each sequence's first row
+        for i in range(len(full)):
+            offs.append(acc)
+            acc += sum(c[i] for c in counts)
+        mailbox: dict = {}
+        out = q.new_zeros(acc, v.shape[1], v.shape[2])
+        for slot, n in enumerate(counts):
+            present = [i for i, m in enumerate(n) if m]
+            if not present:
+                continue
+            before = [sum(counts[j][i] for j in range(slot)) for i in present]
+            rows = torch.cat([torch.arange(offs[i] + b, offs[i] + b + n[i], device=q.device)
+                              for i, b in zip(present, before)])
+            link = ChainExchange(ps.get_context_parallel_group(), piece, slot, [full[i] for i in present],
+                                 self.kernels.chunk_size, q.device, mailbox)
+            o = CPRPieceFunction.apply(q[rows], k[rows], v[rows], g[rows], beta[rows], [n[i] for i in present],
+                                       self.kernels.chunk_size, link)
+            link.wait()
+            out = out.index_copy(0, rows, o)
+        return out
+
 
 class TritonShards(CpuShards):
     """The same pieces with the Triton ``isoexec`` kernels (arch ``sm90``), same contract: the G leaves
@@ -169,6 +207,10 @@ class TritonShards(CpuShards):
         from isoexec.kernels.moe.triton import experts_partial
 
         return experts_partial(x, ids, local_ids, weights, self.cfg, self.leaves // etp)
+
+    def gdn_pieces(self, *args, **kw):  # noqa: D102
+        raise NotImplementedError("context parallelism has no Triton CPR piece kernel: the sm90 set's topology "
+                                  "claim has cp=1 only (the CPU set proves cp 1, 2, 4)")
 
 
 def shards(kernels: KernelSet) -> CpuShards:
@@ -249,15 +291,37 @@ def _sequences(seq_len: int, lengths: list[int], device) -> list[torch.Tensor]:
     return [b * seq_len + torch.arange(n, device=device) for b, n in enumerate(lengths)]
 
 
+def cp_slice(seq_len: int) -> SequenceSlice:
+    """This rank's context-parallel chunks of a batch whose local sequence dim is ``seq_len``
+    (Megatron's CP rank and degree; everything at CP 1)."""
+    return SequenceSlice(ps.get_context_parallel_rank(), ps.get_context_parallel_world_size(), seq_len)
+
+
+def keep_in_graph(out: torch.Tensor, *tensors: torch.Tensor) -> torch.Tensor:
+    """``out`` plus zero times each of ``tensors`` (summed): on a CP rank whose slice holds no real token,
+    a layer's output must still depend on what its CP all-gathers produced, so that their backward
+    (a reduce-scatter every CP rank joins) runs on this rank too."""
+    return out + sum(t.sum() for t in tensors) * 0.0
+
+
+def _gather_sequence(x: torch.Tensor) -> torch.Tensor:
+    """``x [s, ...]`` all-gathered along dim 0 over the CP group (Megatron's mapping: the backward
+    reduce-scatters the gradients to their owners)."""
+    return gather_from_sequence_parallel_region(x, True, ps.get_context_parallel_group())
+
+
 class IsoCoreAttention(MegatronModule):
     """Core attention slot (``DotProductAttention`` in ``native``): region ``attn.core`` per sequence.
 
     Args: Megatron's core-attention arguments (``config, layer_number, attn_mask_type, ...``; unused
     beyond the config) plus ``kernels``.
 
-    Forward: ``query [s, b, np, d]`` (after RoPE), ``key``/``value [s, b, ng, d]``, ``attention_mask`` (causal +
-    padding, :func:`~isoexec.trainer.megatron.compat.causal_padding_mask`) -> ``[s, b, np * d]``, zeros
-    at padded rows.
+    Forward: ``query [s, b, np, d]`` (after RoPE), ``key``/``value [s, b, ng, d]``, ``attention_mask`` (the
+    sequences' real lengths, :func:`~isoexec.trainer.megatron.compat.key_padding_mask`) -> ``[s, b, np * d]``,
+    zeros at padded rows. Under context parallelism ``s`` is this rank's two chunks (:func:`cp_slice`): K
+    and V are all-gathered over the CP group and put in sequence order, and each chunk's queries attend
+    from their absolute positions, so the kernel visits the same ``kv_block`` blocks from position 0 as
+    on one rank.
     """
 
     def __init__(self, config, *args, kernels: KernelSet, **kw):
@@ -267,13 +331,24 @@ class IsoCoreAttention(MegatronModule):
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):  # noqa: D102
         s, b, h, d = query.shape
-        lengths = padding_lengths(attention_mask)
-        qb, kb, vb = (t.transpose(0, 1) for t in (query, key, value))  # [b, s, heads, d]
+        piece = cp_slice(s)
+        if piece.degree > 1:  # every rank's K/V in sequence order: [L, b, ng, d]
+            order = piece.gather_order(key.device)
+            key, value = (_gather_sequence(t).index_select(0, order) for t in (key, value))
+        full = padding_lengths(attention_mask)
+        counts = piece.chunk_lengths(full)  # [slot][sequence]; their sum, per sequence, is a prefix of the rows
+        lengths = piece.local_lengths(full)
+        qb, kb, vb = (t.transpose(0, 1) for t in (query, key, value))  # [b, s (keys: L), heads, d]
         q = torch.cat([qb[i, :n] for i, n in enumerate(lengths)])
-        kv = [(kb[i, :n], vb[i, :n]) for i, n in enumerate(lengths)]
-        o = self.kernels["attn.core"](q, kv, [0] * b, lengths)
+        starts = [g * piece.chunk for g in piece.chunks]
+        # one query group per (sequence, local chunk), from the chunk's absolute start, over keys 0 ..
+        kv = [(kb[i, : a + n[i]], vb[i, : a + n[i]]) for i in range(b) for a, n in zip(starts, counts)]
+        o = self.kernels["attn.core"](q, kv, [a for _ in range(b) for a in starts],
+                                      [n[i] for i in range(b) for n in counts])
         rows = torch.cat(_sequences(s, lengths, o.device))
         out = o.new_zeros((b * s, h, d)).index_copy(0, rows, o)
+        if piece.degree > 1 and not q.shape[0]:  # a CP slice of padding only
+            out = keep_in_graph(out, key, value)
         return out.view(b, s, h * d).transpose(0, 1)
 
 
@@ -298,7 +373,7 @@ class IsoSelfAttention(GatedSelfAttention):
         query, key, value, gate = self.get_query_key_value_tensors(hidden_states, None, output_gate=True)
         s, b = query.shape[:2]
         rope = self.kernels["attn.rope"]
-        positions = torch.arange(s, device=query.device).repeat_interleave(b)  # rows s-major
+        positions = cp_slice(s).positions(query.device).repeat_interleave(b)  # rows s-major
         cos, sin = rope_cos_sin(positions, self.inv_freq.to(query.device), query.dtype)
         query = rope(query.reshape(s * b, *query.shape[2:]), cos, sin).view(query.shape)
         key = rope(key.reshape(s * b, *key.shape[2:]), cos, sin).view(key.shape)
@@ -315,11 +390,16 @@ class IsoGatedDeltaNet(GatedDeltaNet):
     ``attention_mask`` (real lengths) -> (``[s(/tp), b, H]``, None); ``trainer_fwd`` (autograd enabled)
     runs the CPR GDN with the kernel set's backward (CPU: the C recurrence backward; sm90: the Triton
     chunkwise backward of :mod:`isoexec.kernels.gdn.triton_backward`).
+
+    Under context parallelism (``s`` is this rank's two chunks, :func:`cp_slice`) each chunk's conv1d
+    prefix is the last ``Kc - 1`` inputs before it (all-gathered over the CP group) and the GDN core runs
+    :meth:`CpuShards.gdn_pieces`, which takes each chunk's fp32 state chain from the holder of the chunk
+    before it and hands it on.
     """
 
     def __init__(self, *args, kernels: KernelSet, **kw):
         super().__init__(*args, **kw)
-        self.kernels = kernels
+        self.kernels, self.shards = kernels, shards(kernels)
 
     def forward(self, hidden_states, attention_mask, key_value_states=None, inference_context=None,
                 attention_bias=None, packed_seq_params=None, sequence_len_offset=None, *, inference_params=None,
@@ -330,27 +410,62 @@ class IsoGatedDeltaNet(GatedDeltaNet):
         qkvzba, _ = self.in_proj(hidden_states)  # [s, b, in_proj_dim / tp], per rank [q|k|v|z|b|a]
         s, b, _ = qkvzba.shape
         n, dtype = s * b, qkvzba.dtype
-        lengths = padding_lengths(attention_mask)
-        seq_rows = _sequences(s, lengths, qkvzba.device)
-        rows = torch.cat(seq_rows)
+        piece = cp_slice(s)
+        full = padding_lengths(attention_mask)
+        local = piece.local_lengths(full)
+        present = [i for i, m in enumerate(local) if m]  # sequences with tokens in this slice
+        lengths = [local[i] for i in present]
+        seq_rows = [r for r, m in zip(_sequences(s, local, qkvzba.device), local) if m]
         hk, hv = self.num_key_heads // tp, self.num_value_heads // tp
         dk, dv = self.key_head_dim, self.value_head_dim
         x = qkvzba.transpose(0, 1).reshape(n, -1)  # batch-major rows
         mixed, z, beta_in, alpha = torch.split(x, [2 * hk * dk + hv * dv, hv * dv, hv, hv], dim=-1)
-        prefix = mixed.new_zeros(self.conv_kernel_dim - 1, mixed.shape[1])
-        conv, _ = ks["gdn.conv1d"]([mixed[r] for r in seq_rows], self.conv1d.weight.squeeze(1), [prefix] * b)
-        mixed = mixed.new_zeros(mixed.shape).index_copy(0, rows, torch.cat(conv))
-        q, k, v = torch.split(mixed, [hk * dk, hk * dk, hv * dv], dim=-1)
-        g, beta = ks["gdn.gating"](alpha, beta_in, self.A_log, self.dt_bias)
-        r = hv // hk
-        q = ks["gdn.l2norm"](q.reshape(n, hk, dk)).repeat_interleave(r, dim=1)
-        k = ks["gdn.l2norm"](k.reshape(n, hk, dk)).repeat_interleave(r, dim=1)
-        v = v.reshape(n, hv, dv).float()
-        o, _ = ks["gdn.core"](q[rows], k[rows], v[rows], g[rows], beta[rows], lengths, [None] * len(lengths),
-                              torch.is_grad_enabled())
-        o = o.new_zeros((n, hv, dv)).index_copy(0, rows, o).to(dtype)
+        prefixes = self._conv_prefixes(mixed.view(b, s, -1), piece)  # [slot][sequence]
+        if present:
+            rows = torch.cat(seq_rows)
+            # one conv piece per (sequence, local chunk) with tokens, from that chunk's prefix
+            counts = piece.chunk_lengths(full)
+            pieces, pre = [], []
+            for i, r in zip(present, seq_rows):
+                for j, part in enumerate(r.split([c[i] for c in counts])):
+                    if part.numel():
+                        pieces.append(mixed[part])
+                        pre.append(prefixes[j][i])
+            conv, _ = ks["gdn.conv1d"](pieces, self.conv1d.weight.squeeze(1), pre)
+            mixed = mixed.new_zeros(mixed.shape).index_copy(0, rows, torch.cat(conv))
+            q, k, v = torch.split(mixed, [hk * dk, hk * dk, hv * dv], dim=-1)
+            g, beta = ks["gdn.gating"](alpha, beta_in, self.A_log, self.dt_bias)
+            r = hv // hk
+            q = ks["gdn.l2norm"](q.reshape(n, hk, dk)).repeat_interleave(r, dim=1)
+            k = ks["gdn.l2norm"](k.reshape(n, hk, dk)).repeat_interleave(r, dim=1)
+            v = v.reshape(n, hv, dv).float()
+            args = (q[rows], k[rows], v[rows], g[rows], beta[rows], lengths)
+            if piece.degree == 1:
+                o, _ = ks["gdn.core"](*args, [None] * len(lengths), torch.is_grad_enabled())
+            else:
+                o = self.shards.gdn_pieces(*args[:5], piece, [full[i] for i in present])
+            o = o.new_zeros((n, hv, dv)).index_copy(0, rows, o).to(dtype)
+        else:  # a CP slice of padding only
+            o = keep_in_graph(z.new_zeros(n, hv, dv), *(p for slot in prefixes for p in slot))
         o = ks["gdn.norm"](o.reshape(n * hv, dv), z.reshape(n * hv, dv), self.out_norm.weight, self.out_norm.eps)
         return self.out_proj(o.reshape(b, s, hv * dv).transpose(0, 1))
+
+    def _conv_prefixes(self, mixed: torch.Tensor, piece: SequenceSlice) -> list[list[torch.Tensor]]:
+        """Per local chunk and sequence the ``Kc - 1`` conv inputs before the chunk (``mixed [b, s, C]``):
+        zeros at the sequence start, else the last inputs of the chunks before it, whichever ranks hold
+        them (a CP all-gather of every chunk's last ``min(h, Kc - 1)`` rows; its backward returns the
+        prefix gradients to their owners)."""
+        b, s, c = mixed.shape
+        kc1 = self.conv_kernel_dim - 1
+        zeros = mixed.new_zeros(kc1, c)
+        if piece.degree == 1:
+            return [[zeros] * b]
+        h, t = piece.chunk, min(piece.chunk, kc1)
+        mine = torch.cat([mixed[:, j * h + h - t : (j + 1) * h] for j in range(len(piece.chunks))], dim=1)
+        tails = _gather_sequence(mine.transpose(0, 1).contiguous())  # [cp * 2t, b, C]: rank, then slot
+        ordered = torch.cat([tails[(q * len(piece.chunks) + j) * t :][:t]
+                             for q, j in map(piece.owner, range(len(piece.chunks) * piece.degree))])  # chunk order
+        return [[torch.cat([zeros, ordered[: g * t, i]])[-kc1:] for i in range(b)] for g in piece.chunks]
 
 
 # ---------------------------------------------------------------------------------------- MoE

@@ -10,9 +10,13 @@ may live anywhere, outputs live on that device. The model is a Megatron ``GPTMod
 :mod:`~isoexec.trainer.megatron.convert`.
 
 - :meth:`MegatronTrainer.trainer_logprobs`: packed ``[T]`` tokens -> ``[T, V]`` fp32 full-vocabulary
-  logprobs, identical on every rank (the vocabulary dim is gathered over TP). Megatron's GDN refuses
-  packed sequences, so the batch runs right-padded as ``[B, Lmax]`` (``Lmax`` rounded up to a multiple of
-  TP under sequence parallelism) with an explicit causal + padding mask.
+  logprobs, identical on every rank (the vocabulary dim is gathered over TP, the sequence over CP).
+  Megatron's GDN refuses packed sequences, so the batch runs right-padded as ``[B, Lmax]`` (``Lmax``
+  rounded up to a multiple of 2 CP x TP under sequence parallelism) with an explicit mask (causal +
+  padding for ``native``; the padding alone for ``isoexec``, whose modules read the real lengths).
+  Under context parallelism (``layout.cp``) each rank runs its two load-balanced chunks of ``Lmax / (2 cp)``
+  positions (:mod:`isoexec.kernels.collectives.cp`) and the logprob rows are all-gathered; only the
+  ``isoexec`` set runs it (Megatron's local attention and GDN have no CP without Transformer Engine).
 - :meth:`MegatronTrainer.checkpoint_state_dict`: the weights under HF names, gathered over TP/EP (what a
   weight sync sends to the engine).
 - :meth:`MegatronTrainer.step`: the fp32-master AdamW of the other trainers
@@ -37,15 +41,28 @@ from isoexec.trainer.megatron.config import Layout, transformer_config
 from isoexec.trainer.megatron.convert import full_to_hf, gather_full_state, hf_to_full, rank_state
 
 
-def check_layout(contract, layout: Layout) -> None:
-    """Refuse a layout outside the contract's topology claim.
+def check_layout(contract, layout: Layout, device: str = "cpu") -> None:
+    """Refuse a layout outside the contract's topology claim, or, under context parallelism, outside the
+    degrees proven together with it (:func:`isoexec.kernels.topology.topology_problems`).
 
     Raises:
-        ClaimViolation: naming each degree (tp, ep, sp, dp) outside its claimed domain.
+        ClaimViolation: naming each degree (tp, ep, sp, dp, cp) outside its claimed domain, or each
+            degree that context parallelism is not proven with (path ``claims.topology.cp``).
     """
-    from isoexec.contract import check_topology
+    from isoexec.contract import ClaimViolation, Violation, check_topology
+    from isoexec.kernels.topology import topology_problems
 
     check_topology(contract, **layout.degrees())
+    joint = topology_problems("isoexec", device, layout.degrees())
+    if joint:
+        raise ClaimViolation([Violation("claims.topology.cp", m) for m in joint])
+
+
+NATIVE_CP = ("the native set cannot run context parallelism (cp > 1): megatron-core 0.16.1's local "
+             "DotProductAttention asserts context_parallel_size == 1 (CP needs Transformer Engine's attention) and "
+             "its GatedDeltaNet has none (transformer_config.py: 'Gated delta net does not support context "
+             "parallel'); run cp > 1 with the isoexec set, or native at cp=1")
+"""Why the ``native`` set refuses ``cp > 1`` (the trainer at construction, the experiment config at load)."""
 
 
 class MegatronTrainer:
@@ -65,9 +82,10 @@ class MegatronTrainer:
         lr, betas, eps, weight_decay, max_grad_norm: AdamW of :meth:`step`.
 
     Raises:
-        ValueError: unknown kernel set, a native KernelSet for the ``isoexec`` set, or heads / experts /
-        vocabulary not divisible by the layout's degrees. ClaimViolation: an ``isoexec`` layout outside the contract's topology claim (checked
-        before Megatron is imported or any process group is touched).
+        ValueError: unknown kernel set, a native KernelSet for the ``isoexec`` set, ``native`` with
+        ``cp > 1`` (:data:`NATIVE_CP`), or heads / experts / vocabulary not divisible by the layout's degrees.
+        ClaimViolation: an ``isoexec`` layout outside the contract's topology claim or the degrees proven
+        with context parallelism (checked before Megatron is imported or any process group is touched).
     """
 
     def __init__(self, hf_config, layout: Layout, kernel_set: str = "isoexec", kernels=None,
@@ -81,13 +99,15 @@ class MegatronTrainer:
             raise ValueError(f"kernel_set must be 'native' or 'isoexec', got {kernel_set!r}")
         if kernel_set == "isoexec" and isinstance(kernels, KernelSet) and kernels.mode != "isoexec":
             raise ValueError(f"kernels is a {kernels.mode!r} kernel set; kernel_set='isoexec' needs an 'isoexec' one")
+        if kernel_set == "native" and layout.cp > 1:
+            raise ValueError(NATIVE_CP)
         self.hf_config, self.layout, self.kernel_set, self.dtype = hf_config, layout.check(), kernel_set, dtype
         section = kernels.section if isinstance(kernels, KernelSet) else (kernels or KernelSection())
         self.temperature = float(section.temperature)
         self.kernels = None
         if kernel_set == "isoexec":
             self.kernels = kernels if isinstance(kernels, KernelSet) else build_kernel_set("isoexec", compat.DEVICE, section)
-            check_layout(self.contract(), layout)
+            check_layout(self.contract(), layout, "cpu" if self.kernels.arch == "cpu" else "cuda")
         compat.apply()
         self.config = transformer_config(hf_config, layout, dtype)
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -130,13 +150,15 @@ class MegatronTrainer:
         """Build on this rank and load a HF ``Qwen3NextForCausalLM`` checkpoint folder.
 
         ``dtype`` None keeps the checkpoint's dtype; other keywords go to the constructor.
-        """
-        from isoexec.model.hf import read_config, read_weights
 
+        Raises:
+            isoexec.model.hf.CheckpointError: tensors that contradict the config (before any rank loads).
+        """
+        from isoexec.model.hf import check_checkpoint, config_dtype, read_config, read_weights
+
+        check_checkpoint(path)
         cfg = read_config(path)
-        if dtype is None:
-            dtype = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None) or torch.bfloat16
-            dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+        dtype = dtype or config_dtype(cfg)
         trainer = cls(cfg, layout, kernel_set, kernels, dtype, **kw)
         sd = read_weights(path)
         if getattr(cfg, "tie_word_embeddings", False):
@@ -171,28 +193,54 @@ class MegatronTrainer:
         Raises:
             isoexec.model.inputs.InputError: an id outside ``[0, V)``, an empty batch or sequence, or
                 malformed ``cu_seqlens`` (the unified model's checks).
+
+        Under context parallelism every rank computes its slice's rows and all-gathers them; the gradient
+        of the gathered rows is taken back as Megatron-LM does for its CP loss (this rank's rows, times
+        ``cp``: Megatron's DDP averages over the data- and context-parallel ranks).
         """
         from isoexec.model.inputs import check_cu_seqlens, check_token_ids
+
+        from isoexec.kernels.collectives.cp import gather_sequence_replicated
+        from isoexec.trainer.megatron.layers import cp_slice, keep_in_graph
 
         cu = check_cu_seqlens(cu_seqlens, input_ids.numel())
         check_token_ids(input_ids, self.hf_config.vocab_size)
         lengths = torch.tensor([b - a for a, b in zip(cu, cu[1:])])
-        lmax = int(lengths.max())
-        if self.layout.sp:
-            lmax = -(-lmax // self.layout.tp) * self.layout.tp
+        cp = self.layout.cp
+        step = (2 * cp if cp > 1 else 1) * (self.layout.tp if self.layout.sp else 1)  # 2 cp chunks, each rank's rows over SP
+        lmax = -(-int(lengths.max()) // step) * step
         padded = torch.zeros(len(lengths), lmax, dtype=torch.long)
         for b, (a, n) in enumerate(zip(cu, lengths.tolist())):
             padded[b, :n] = input_ids[a : a + n].cpu()
-        padded = padded.to(self.device)
-        positions = torch.arange(lmax, device=self.device).expand(len(lengths), lmax)
-        mask = compat.causal_padding_mask(lengths.to(self.device), lmax)
+        piece = cp_slice(lmax // cp)
+        positions = piece.positions().expand(len(lengths), piece.size)
+        padded = padded.gather(1, positions).to(self.device)
+        positions = positions.to(self.device)
+        if self.kernels is None:
+            mask = compat.causal_padding_mask(lengths.to(self.device), lmax)
+        else:  # the isoexec modules read the real lengths only
+            mask = compat.key_padding_mask(lengths.to(self.device), lmax)
+        local = piece.local_lengths(lengths.tolist())
         with torch.set_grad_enabled(grad):
             logits = self.ddp(input_ids=padded, position_ids=positions, attention_mask=mask,
-                              runtime_gather_output=True)  # [B, Lmax, V]
-            rows = torch.cat([logits[b, :n] for b, n in enumerate(lengths.tolist())])
+                              runtime_gather_output=True)  # [B, Lmax / cp, V]
+            rows = torch.cat([logits[b, :n] for b, n in enumerate(local)])
             if self.kernels is None:
-                return torch.log_softmax(rows.float() / self.temperature, dim=-1)
-            return self.kernels["logprob"](rows)
+                lp = torch.log_softmax(rows.float() / self.temperature, dim=-1)
+            elif rows.shape[0]:
+                lp = self.kernels["logprob"](rows)
+            else:  # a CP slice of padding only
+                lp = rows.new_zeros(rows.shape)
+            if piece.degree == 1:
+                return lp
+            # every rank's rows, put in sequence order (the gather's backward: this rank's rows, x cp)
+            idx = torch.cat([b * piece.size + torch.arange(n, device=lp.device) for b, n in enumerate(local)])
+            mine = lp.new_zeros(len(local) * piece.size, lp.shape[1]).index_copy(0, idx, lp)
+            if not rows.shape[0]:
+                mine = keep_in_graph(mine, logits)
+            full = gather_sequence_replicated(mine.view(len(local), piece.size, -1), self.groups["cp"], dim=1)
+            full = full.index_select(1, piece.gather_order(full.device))
+            return torch.cat([full[b, :n] for b, n in enumerate(lengths.tolist())])
 
     # --------------------------------------------------------------------------------- optimizer
     def zero_grad(self) -> None:

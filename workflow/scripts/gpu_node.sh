@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# On the GPU node (repository copy as the working directory): install the GPU stack brought as parts, run a
+# job detached from the call that starts it, and collect its results into $OUT.
+#
+#   bash workflow/scripts/gpu_node.sh install          # park the carried parts (.gpu/site.tar.xz.*) in
+#                                                      # /tmp/parts; once all are there (site.sha256 matches),
+#                                                      # unpack the site tree to /tmp/site (once per machine)
+#   bash workflow/scripts/gpu_node.sh start CMD...     # run CMD in the background in a snapshot of this copy
+#                                                      # (/tmp/job/src), with the stack's environment; its
+#                                                      # outputs go to /tmp/job/out (the job sees it as $JOB_OUT)
+#   bash workflow/scripts/gpu_node.sh wait SECONDS     # wait for the job up to SECONDS, then pack /tmp/job/out
+#                                                      # into $OUT/results.tar.gz and the log into $OUT/job.log
+#   bash workflow/scripts/gpu_node.sh stop             # end a running job (its whole process session)
+#   bash workflow/scripts/gpu_node.sh run CMD...       # CMD in the foreground, same environment
+#
+# The parts come from workflow/scripts/gpu_site.sh (on a machine with network); each travels in one device
+# call (carry .gpu), the last one with `install` (and `start`). Files outside the repository copy stay on the
+# node while it is kept between calls, and so does a detached job: a long job spans several calls, each
+# `wait`ing and collecting what is done.
+set -uo pipefail
+cmd=${1:?usage: gpu_node.sh install|start CMD...|wait SECONDS|run CMD...}; shift
+SITE=/tmp/site; PARTS=/tmp/parts; JOB=/tmp/job
+stack_env() {
+  export PYTHONPATH=${1:-$PWD}:$SITE PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 \
+    VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 TRITON_CACHE_AUTOTUNING=1 \
+    NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+  # the commit shipped (this copy has no .git); written by the caller into .gpu/source_rev
+  [ -f .gpu/source_rev ] && export ISOEXEC_SOURCE_REV=$(cat .gpu/source_rev)
+  return 0
+}
+case "$cmd" in
+  install)
+    mkdir -p "$PARTS"
+    for f in .gpu/site.tar.xz.* .gpu/site.sha256; do [ -f "$f" ] && cp "$f" "$PARTS/"; done
+    if [ -f "$SITE/.complete" ]; then echo "gpu_node: $SITE is installed"; exit 0; fi
+    [ -f "$PARTS/site.sha256" ] || { echo "gpu_node: no site.sha256 yet (parts: $(ls $PARTS))"; exit 0; }
+    got=$(cat "$PARTS"/site.tar.xz.* | sha256sum | cut -c1-64)
+    if [ "$got" != "$(cut -c1-64 "$PARTS/site.sha256")" ]; then
+      echo "gpu_node: parts so far ($(cd $PARTS && ls site.tar.xz.* | tr '\n' ' ')) do not make site.tar.xz yet"; exit 0
+    fi
+    cat "$PARTS"/site.tar.xz.* | xz -d -T0 | tar -xf - -C /tmp && touch "$SITE/.complete" || exit 1
+    stack_env
+    python3 -c "import torch, vllm, megatron.core, fla, pydantic; print('gpu_node: vllm', vllm.__version__, 'torch', torch.__version__, torch.cuda.get_device_name(0))"
+    ;;
+  start)
+    [ -f "$SITE/.complete" ] || { echo "gpu_node: install the stack first"; exit 1; }
+    rm -rf "$JOB"; mkdir -p "$JOB/out"; cp -r "$PWD" "$JOB/src"
+    (cd "$JOB/src" && stack_env "$JOB/src" && export JOB_OUT=$JOB/out && \
+      setsid nohup bash -c "$*; echo \$? > $JOB/rc" > "$JOB/log" 2>&1 < /dev/null &)
+    echo "gpu_node: started: $*"
+    ;;
+  wait)
+    end=$((SECONDS + ${1:?seconds}))
+    while [ ! -f "$JOB/rc" ] && [ $SECONDS -lt $end ]; do sleep 5; done
+    [ -f "$JOB/rc" ] && echo "gpu_node: job ended, exit $(cat $JOB/rc)" || echo "gpu_node: job still running"
+    mkdir -p "${OUT:?}"; tar -czf "$OUT/results.tar.gz" -C "$JOB" out; cp "$JOB/log" "$OUT/job.log"
+    tail -n 40 "$JOB/log"
+    ;;
+  stop)
+    # the job runs in a session of its own (setsid): its leader is the shell that writes $JOB/rc
+    sids=$(ps -eo sid=,args= | awk -v rc="$JOB/rc" 'index($0, rc) && !/awk/ {print $1}' | sort -u)
+    for s in $sids; do pkill -9 -s "$s"; done
+    sleep 2; echo "gpu_node: stopped sessions: ${sids:-none}"
+    ;;
+  run)
+    stack_env; "$@"
+    ;;
+  *) echo "gpu_node: unknown command $cmd"; exit 2 ;;
+esac
