@@ -3,7 +3,8 @@
 Validated at load with pydantic (``extra="forbid"``), so a typo fails at once with the key's name.
 Each layer owns one section: ``model`` (architecture, Hugging Face ``Qwen3NextConfig`` fields),
 ``kernels`` (the constants pinned by the kernel sets), ``gates``, ``task``, ``sft``, ``rl``,
-``trainer`` and ``engine`` (which backend runs each side; the mode picks the kernel set).
+``trainer`` and ``engine`` (which backend runs each side; the mode picks the kernel set); ``arms``
+adds arms to the paired runs beyond ``rl.modes`` (a mode's stack with SkyRL's off-policy correction).
 """
 
 from __future__ import annotations
@@ -360,6 +361,39 @@ class EngineSection(_Section):
     )
 
 
+class OffPolicyCorrection(_Section):
+    """SkyRL's off-policy correction (``trainer.algorithm.off_policy_correction``, SkyRL 0.4's
+    ``OffPolicyCorrectionConfig``; field names and defaults are SkyRL's): the trainer reweights or masks
+    each token's policy loss by the ratio ``exp(lT - lR)`` of its pre-update trainer logprob to the
+    rollout engine's. Applied by SkyRL's own loss (``apply_off_policy_correction``), never by isoexec.
+    """
+
+    tis_ratio_type: Literal["token", "sequence"] | None = Field(
+        "token", description="truncated importance sampling: token (each token's ratio, capped) or sequence "
+        "(the product over the response, capped); None: no TIS")
+    token_tis_ratio_clip_high: PositiveFloat = Field(2.0, description="cap of a token's TIS weight")
+    sequence_tis_ratio_clip_high: PositiveFloat = Field(5.0, description="cap of a sequence's TIS weight")
+    sequence_mask_metric: Literal["product", "geometric"] | None = Field(
+        None, description="drop whole sequences whose product / geometric mean of ratios leaves the bounds below")
+    product_mask_low: PositiveFloat = 0.5
+    product_mask_high: PositiveFloat = 2.0
+    geo_mask_low: PositiveFloat = 0.99
+    geo_mask_high: PositiveFloat = 1.01
+
+
+class ArmSection(_Section):
+    """One more arm of the paired runs: the stack of ``mode`` (its engine, trainer and kernel set, run
+    exactly as that mode's arm) trained with SkyRL's off-policy correction, which corrects the
+    train-inference mismatch instead of removing it. Its runs go to ``results/<exp>/rl/<name>/seed<k>/``
+    and its rows of the tables and figures carry ``name``.
+    """
+
+    name: str = Field(pattern=r"^[a-z][a-z0-9-]*$", description="folder and table name: lower-case letters, "
+                      "digits and '-' (e.g. native-tis)")
+    mode: Literal["native", "isoexec"] = Field("native", description="the stack the arm runs (one of rl.modes)")
+    off_policy_correction: OffPolicyCorrection = OffPolicyCorrection()
+
+
 class SkyRLSection(_Section):
     """A GPU-node run through SkyRL's own entry point (``isoexec rl skyrl-launch``; isoexec.rl.skyrl.render).
 
@@ -396,6 +430,8 @@ class ExperimentConfig(_Section):
     trainer: TrainerSection = TrainerSection()
     engine: EngineSection = EngineSection()
     skyrl: SkyRLSection | None = None
+    arms: list[ArmSection] = Field([], description="arms beyond rl.modes: a mode's stack with SkyRL's "
+                                   "off-policy correction (isoexec.rl.arms)")
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "ExperimentConfig":
@@ -456,6 +492,31 @@ class ExperimentConfig(_Section):
             problems.append("engine.enable_prefix_caching=true cannot be honoured by the isoexec arm: a cached "
                             "prefix would start a request past position 0 without the model's per-request state; "
                             "set it to false")
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    @model_validator(mode="after")
+    def _arm_checks(self) -> "ExperimentConfig":
+        """The ``arms`` section against ``rl``: names unique and not a mode's, the stack one of ``rl.modes``,
+        a correction that does something and that SkyRL applies with ``rl.policy_loss``."""
+        problems = []
+        names = [a.name for a in self.arms]
+        for i, a in enumerate(self.arms):
+            if a.name in self.rl.modes or a.name in ("native", "isoexec"):
+                problems.append(f"arms[{i}].name={a.name!r} is a mode's name; give the arm its own (e.g. {a.mode}-tis)")
+            elif names.count(a.name) > 1:
+                problems.append(f"arms[{i}].name={a.name!r} is given twice")
+            if a.mode not in self.rl.modes:
+                problems.append(f"arms[{i}].mode={a.mode!r} is not one of rl.modes={self.rl.modes} (the arm is "
+                                "compared with the run of its own stack)")
+            c = a.off_policy_correction
+            if c.tis_ratio_type is None and c.sequence_mask_metric is None:
+                problems.append(f"arms[{i}].off_policy_correction: tis_ratio_type and sequence_mask_metric are both "
+                                f"None, so the arm would run {a.mode!r} unchanged; set at least one")
+        if self.arms and self.rl.policy_loss in ("clip_cov", "kl_cov"):
+            problems.append(f"rl.policy_loss={self.rl.policy_loss!r}: SkyRL applies no off-policy correction with it "
+                            "(skyrl/train/utils/utils.py, validate_cfg); the arms need another policy loss")
         if problems:
             raise ValueError("; ".join(problems))
         return self

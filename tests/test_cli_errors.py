@@ -59,8 +59,9 @@ def test_pik_check_tp_is_checked_before_any_process_starts(tp, wrong):
 def test_typed_option_and_choice_errors_are_one_line():
     assert_one_error_line(invoke("bench", "--repeats", "x"), "isoexec bench", "--repeats")
     assert_one_error_line(invoke("rollout-check", "--config", "x.yaml", "--modes", "native,foo"), "--modes", "native, isoexec")
-    assert_one_error_line(invoke("rl", "train", "--config", "x.yaml", "--mode", "foo", "--seed", "0", "--init", "i",
-                                 "--out", "o"), "--mode must be native or isoexec")
+    assert_one_error_line(invoke("rl", "train", "--config", ROOT / "experiments" / "cpu-tiny.yaml", "--mode", "foo",
+                                 "--seed", "0", "--init", "i", "--out", "o"),
+                          "--arm 'foo' is not an arm of", "its arms: native, isoexec, native-tis")
     assert_one_error_line(invoke("nope"), "No such command 'nope'")
 
 

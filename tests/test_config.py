@@ -1,5 +1,6 @@
 """Experiment config validation: every bad input fails at load, naming the key."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -121,11 +122,16 @@ def test_triton_section_refuses_the_cpr_backward_launch_that_faults_on_the_h200(
     assert TritonSection(gdn_bwd_warps=8, gdn_bwd_bv=32).gdn_bwd_bv == 32
 
 
+def _isoexec_only(body: str) -> str:
+    """An experiment YAML trained in isoexec mode only: rl.modes [isoexec], no arms section (its arm is native's)."""
+    return re.sub(r"\narms:\n(  .*\n)*", "\n", body).replace("modes: [native, isoexec]", "modes: [isoexec]")
+
+
 def test_trainer_cp_outside_the_proven_domain_or_in_native_mode_is_refused_at_load(tmp_path):
     """trainer.cp: 2 loads for isoexec; cp 3, cp 2 with tp 4, and cp 2 for the native mode (Megatron's own
     modules have no CP) are refused at load, naming what works."""
     body = (ROOT / "experiments" / "cpu-tiny.yaml").read_text().replace("name: cpu-tiny", "name: cp")
-    iso = body.replace("modes: [native, isoexec]", "modes: [isoexec]")
+    iso = _isoexec_only(body)
     assert load_config(_write(tmp_path, iso.replace("\n  tp: 2\n", "\n  tp: 2\n  cp: 2\n"))).trainer.layout().cp == 2
     with pytest.raises(ValueError, match=r"cp=3 is outside the isoexec kernel set's proven domain \[1, 2, 4\]"):
         load_config(_write(tmp_path, iso.replace("\n  tp: 2\n", "\n  tp: 2\n  cp: 3\n")))
@@ -133,7 +139,7 @@ def test_trainer_cp_outside_the_proven_domain_or_in_native_mode_is_refused_at_lo
         "linear_num_key_heads: 2", "linear_num_key_heads: 4").replace("num_attention_heads: 2", "num_attention_heads: 4")
     with pytest.raises(ValueError, match=r"tp=4 with cp=2 is outside the degrees proven together with context "
                                          r"parallelism: tp in \[1, 2\]"):
-        load_config(_write(tmp_path, wide.replace("modes: [native, isoexec]", "modes: [isoexec]").replace(
+        load_config(_write(tmp_path, _isoexec_only(wide).replace(
             "\n  tp: 2\n", "\n  tp: 4\n  cp: 2\n")))
     with pytest.raises(ValueError, match=r"mode native: trainer.cp=2: .*no context parallelism.*run mode native at "
                                          r"cp=1"):

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from isoexec.config import ExperimentConfig, ModelSection, RLSection, SFTSection, TaskSection
+from isoexec.config import ArmSection, ExperimentConfig, ModelSection, RLSection, SFTSection, TaskSection
 from isoexec.engines.local import LocalEngine
 from isoexec.rl.loop import run_rl, step_prompts
 from isoexec.rl.data import load_splits
@@ -13,7 +13,7 @@ from isoexec.rl.tokenizer import load_tokenizer
 from isoexec.rl.sft import init_checkpoint
 from isoexec.trainer.hf_policy import HFPolicy
 
-KEYS = {"step", "mode", "seed", "tokens", "mismatch_count", "mismatch_rate", "logprob_abs_diff_mean",
+KEYS = {"step", "arm", "mode", "seed", "tis_capped_frac", "correction_masked_frac", "tokens", "mismatch_count", "mismatch_rate", "logprob_abs_diff_mean",
         "logprob_abs_diff_std", "logprob_abs_diff_max", "k3_kl", "is_ratio_mean", "is_ratio_min", "is_ratio_max",
         "full_vocab_kl", "reward_mean", "pass_at_k", "response_length_mean", "entropy_mean", "grad_norm", "loss",
         "time/generation", "time/score", "time/train", "time/weight_sync", "time/step", "is_ratio_std",
@@ -30,6 +30,7 @@ def cfg():
         task=TaskSection(max_operand=9, num_train_prompts=64, num_eval_prompts=8),
         sft=SFTSection(steps=3, batch_size=4, eval_every=3, eval_samples=1, min_steps=1),
         rl=RLSection(steps=2, prompts_per_step=2, group_size=4, max_new_tokens=4, pass_k=2, mini_batches=2),
+        arms=[ArmSection(name="native-tis", mode="native")],
     )
 
 
@@ -57,7 +58,8 @@ def test_two_rl_steps_with_a_local_engine_write_every_metric(cfg, ckpt, tmp_path
     assert [r["step"] for r in lines] == [0, 1] and len(rows) == 2
     for r in lines:
         assert KEYS <= set(r), KEYS - set(r)
-        assert r["mode"] == "native" and r["seed"] == 0
+        assert r["arm"] == r["mode"] == "native" and r["seed"] == 0
+        assert r["tis_capped_frac"] is None and r["correction_masked_frac"] is None  # no correction: NaN -> null
         assert r["tokens"] > 0 and 0 <= r["mismatch_count"] <= r["tokens"]
         assert r["full_vocab_kl"] is not None and r["full_vocab_kl"] >= -1e-9
         assert 0 <= r["reward_mean"] <= 1 and 0 <= r["pass_at_k"] <= 1
@@ -74,6 +76,23 @@ def test_two_rl_steps_with_a_local_engine_write_every_metric(cfg, ckpt, tmp_path
     assert all(torch.equal(after[k], trainer[k]) for k in after)
     if any(r["grad_norm"] > 0 for r in lines):
         assert any(not torch.equal(before[k], after[k]) for k in after)
+
+
+def test_a_correction_arm_runs_its_modes_stack_with_skyrls_tis(cfg, ckpt, tmp_path):
+    """native-tis: the native stack (same engine and trainer, same tokens at the first step), the loss
+    reweighted by SkyRL's token TIS; its statistics are recorded."""
+    def run(arm):
+        torch.manual_seed(0)
+        engine = LocalEngine(HFPolicy.from_pretrained(ckpt), load_tokenizer(ckpt).eos_token_id)
+        return run_rl(cfg, arm, 0, ckpt, tmp_path / arm, engine=engine, policy=HFPolicy.from_pretrained(ckpt),
+                      command="test")
+
+    native, tis = run("native"), run("native-tis")
+    assert [r["arm"] for r in tis] == ["native-tis"] * 2 and {r["mode"] for r in tis} == {"native"}
+    assert all(0.0 <= r["tis_capped_frac"] <= 1.0 for r in tis)
+    assert tis[0]["reward_mean"] == native[0]["reward_mean"] and tis[0]["tokens"] == native[0]["tokens"]
+    prov = json.loads((tmp_path / "native-tis" / "provenance.json").read_text())
+    assert prov["run"]["arm"] == "native-tis" and prov["run"]["mode"] == "native"
 
 
 def test_sft_smoke_writes_a_bf16_checkpoint_and_metrics(cfg, ckpt, tmp_path):

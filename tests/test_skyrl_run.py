@@ -2,7 +2,8 @@
 
 isoexec mode is bitwise (rollout == pre-update trainer logprobs, full-vocabulary KL 0), native is not
 (the negative control), and a kernel setting changed on the engine's side only is refused by the
-contract handshake at the first weight sync, before any step.
+contract handshake at the first weight sync, before any step. A session's runs share the engines and
+the trainer workers: a run on them gives the same bits as on fresh ones, and a correction arm's TIS runs.
 """
 
 import json
@@ -15,7 +16,7 @@ pytest.importorskip("skyrl", reason="the skyrl extra is not installed")
 for _k, _v in {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}.items():
     os.environ.setdefault(_k, _v)
 
-from isoexec.config import EngineSection, ExperimentConfig, ModelSection, RLSection, TaskSection  # noqa: E402
+from isoexec.config import ArmSection, EngineSection, ExperimentConfig, ModelSection, RLSection, TaskSection  # noqa: E402
 from isoexec.rl.skyrl import compat  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -26,8 +27,9 @@ CFG = ExperimentConfig(
     task=TaskSection(max_operand=9, num_train_prompts=32, num_eval_prompts=4),
     rl=RLSection(steps=1, prompts_per_step=2, group_size=4, max_new_tokens=5, pass_k=2, full_vocab_kl_positions=8),
     engine=EngineSection(max_num_seqs=16, max_model_len=128, max_num_batched_tokens=256),
+    arms=[ArmSection(name="native-tis", mode="native")],
 )
-LOOP_NAMES = {"step", "mode", "seed", "tokens", "mismatch_count", "mismatch_rate", "logprob_abs_diff_mean",
+LOOP_NAMES = {"step", "arm", "mode", "seed", "tis_capped_frac", "correction_masked_frac", "tokens", "mismatch_count", "mismatch_rate", "logprob_abs_diff_mean",
               "logprob_abs_diff_std", "logprob_abs_diff_max", "k3_kl", "is_ratio_mean", "is_ratio_min",
               "is_ratio_max", "full_vocab_kl", "reward_mean", "pass_at_k", "response_length_mean",
               "entropy_mean", "groups_used", "loss", "grad_norm", "clip_frac", "time/generation", "time/score",
@@ -83,3 +85,32 @@ def test_kernel_setting_changed_on_the_engine_side_only_is_refused(ckpt, tmp_pat
         _run("isoexec", ckpt, tmp_path, engine_config=other)
     assert "row_tile" in str(e.value)
     assert (tmp_path / "metrics.jsonl").read_text() == ""  # refused before the first step
+
+
+def test_a_session_reuses_its_actors_with_the_same_bits_and_tis_acts(ckpt, tmp_path):
+    """native on fresh actors, isoexec (both sides switch mode), native-tis and native again on the same
+    processes: the last native run repeats the first to the bit; native-tis scores the same rollouts
+    (its correction acts only inside the update) and SkyRL's TIS reports from the workers' loss; every run
+    records the load-time weight handshake of its engines and trainer."""
+    from isoexec.rl.arms import find_arm
+    from isoexec.rl.skyrl.driver import Session
+
+    timing = lambda r: {k: v for k, v in r.items() if not k.startswith("time/")}  # noqa: E731
+    rows = {}
+    with Session(CFG, "native") as session:
+        for i, arm in enumerate(("native", "isoexec", "native-tis", "native")):
+            out = tmp_path / f"{i}-{arm}"
+            rows[i] = session.run(CFG, find_arm(CFG, arm), 0, ckpt, out, 1, command="test")
+            prov = json.loads((out / "provenance.json").read_text())
+            assert prov["run"]["session_run"] == i
+            # every run's load-time weight handshake: a kept engine's load of the checkpoint vs the rebuilt trainer
+            loaded = prov["weights_at_load"]
+            assert loaded["engine"] == [loaded["trainer"]] * CFG.engine.num_engines
+    assert [timing(r) for r in rows[3]] == [timing(r) for r in rows[0]]
+    assert rows[1][0]["mismatch_count"] == 0 and rows[0][0]["mismatch_count"] > 0
+    tis, native = rows[2][0], rows[0][0]
+    pre_update = ("reward_mean", "tokens", "mismatch_count", "logprob_abs_diff_mean", "k3_kl", "full_vocab_kl")
+    assert {k: tis[k] for k in pre_update} == {k: native[k] for k in pre_update}
+    # SkyRL's TIS ran inside the workers' loss (its statistic is logged; the random-init model's rewards are
+    # all 0 here, so the update itself is 0 either way; tests/test_rl_arms.py shows the weights acting)
+    assert 0.0 <= tis["tis_capped_frac"] <= 1.0 and native["tis_capped_frac"] is None

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from isoexec.config import load_config
+from isoexec.rl.arms import arm_names
 
 ROOT = Path(__file__).resolve().parents[1]
 SNAKEMAKE = Path(sys.executable).with_name("snakemake")
@@ -37,14 +38,14 @@ def test_dry_run_reproduce_covers_every_stage_for_the_default_experiment():
     r = snakemake("-n", "--forceall", "reproduce")
     assert r.returncode == 0, r.stdout + r.stderr
     counts = job_counts(r.stdout)
-    rl = load_config(ROOT / "experiments" / "cpu-tiny.yaml").rl
-    assert len(rl.modes) * len(rl.seeds) == 6  # the embedded default: 2 modes x 3 seeds (issue 13)
-    assert counts["rl_train"] == len(rl.modes) * len(rl.seeds)
-    for rule in ("experiment_settings", "init_model", "sft", "gates", "rollout_check", "report_tables",
+    cfg = load_config(ROOT / "experiments" / "cpu-tiny.yaml")
+    assert arm_names(cfg) == ["native", "isoexec", "native-tis"] and cfg.rl.seeds == [0, 1, 2]  # 3 arms x 3 seeds
+    for rule in ("experiment_settings", "init_model", "sft", "gates", "rollout_check", "rl_paired", "report_tables",
                  "report_figures", "notebook"):
-        assert counts[rule] == 1, rule
-    assert "kernel_bench" not in counts
-    assert "results/cpu-tiny/rl/native/seed1/metrics.jsonl" in r.stdout
+        assert counts[rule] == 1, rule  # one job runs every RL run, interleaved (isoexec rl paired)
+    assert "kernel_bench" not in counts and "rl_train" not in counts
+    for arm in arm_names(cfg):
+        assert f"results/cpu-tiny/rl/{arm}/seed2/metrics.jsonl" in r.stdout
     assert "results/cpu-tiny/sft_metrics.json" in r.stdout
     assert "runs/cpu-tiny/model/sft" in r.stdout
 
@@ -52,8 +53,8 @@ def test_dry_run_reproduce_covers_every_stage_for_the_default_experiment():
 def test_dry_run_ci_tiny_config_selects_fewer_runs():
     r = snakemake("-n", "--forceall", "reproduce", "--config", "experiment=experiments/ci-tiny.yaml")
     assert r.returncode == 0, r.stdout + r.stderr
-    assert job_counts(r.stdout)["rl_train"] == 2
-    assert "results/ci-tiny/rl/isoexec/seed0/metrics.jsonl" in r.stdout
+    assert job_counts(r.stdout)["rl_paired"] == 1
+    assert "results/ci-tiny/rl/native-tis/seed0/metrics.jsonl" in r.stdout
 
 
 def test_kernel_bench_runs_only_when_asked():

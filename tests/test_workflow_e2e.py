@@ -46,11 +46,10 @@ elif argv[0] == "gates":
     (res / "gates.csv").write_text("region,case_a,case_b,mode,bitwise_equal\\nlm_head,trainer_score,engine_decode,isoexec,True\\n")
 elif argv[0] == "rollout-check":
     (res / "rollout_check.json").write_text(json.dumps({{"isoexec": {{"mismatch_count": 0}}}}))
-elif argv[:2] == ["rl", "train"]:
+elif argv[:2] == ["rl", "paired"]:
     from test_report_tables import write_synthetic_runs
-    out = Path(opt["--out"])
-    write_synthetic_runs(out.parents[2], modes=[opt["--mode"]], seeds=[int(opt["--seed"])],
-                         steps=range(cfg["rl"]["steps"]))
+    arms = cfg["rl"]["modes"] + [a["name"] for a in cfg.get("arms", [])]
+    write_synthetic_runs(Path(opt["--out"]).parent, arms=arms, seeds=cfg["rl"]["seeds"], steps=range(cfg["rl"]["steps"]))
 else:
     sys.exit(f"fake isoexec: unexpected {{argv}}")
 """
@@ -99,12 +98,12 @@ def test_reproduce_runs_end_to_end_and_does_not_rerun_finished_stages(tmp_path):
         "figures/time.pdf",
         "notebooks/analysis.ipynb",
         "notebooks/analysis.html",
-        "benchmarks/rl_native_seed0.tsv",
+        "benchmarks/rl_paired.tsv",
         "experiment.json",
     ):
         assert (res / rel).stat().st_size > 0, rel
     assert (tmp_path / "runs" / "e2e" / "model" / "sft" / "model.safetensors").exists()
-    assert "fake isoexec rl train" in (tmp_path / "logs" / "e2e" / "rl" / "native" / "seed0.log").read_text()
+    assert "fake isoexec rl paired" in (tmp_path / "logs" / "e2e" / "rl" / "paired.log").read_text()
     html = (res / "notebooks" / "analysis.html").read_text()
     assert "bitwise identical at 6/6" in html and "lm_head" in html  # metrics check and gate matrix
 
@@ -124,5 +123,5 @@ def test_reproduce_runs_end_to_end_and_does_not_rerun_finished_stages(tmp_path):
     shutil.rmtree(res)
     redo = snakemake(tmp_path, "-n", "reproduce")
     counts = job_counts(redo.stdout)
-    assert counts.get("rl_train") == 4 and counts.get("notebook") == 1, redo.stdout
+    assert counts.get("rl_paired") == 1 and counts.get("notebook") == 1, redo.stdout
     assert not {"init_model", "sft"} & set(counts), counts

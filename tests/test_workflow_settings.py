@@ -40,6 +40,9 @@ def test_differences_name_each_setting_and_ignore_new_settings_at_their_default(
     older = settings_record(a)
     del older["rl"]["steps"], older["engine"]["max_num_seqs"]  # written before these settings existed
     assert settings_differences(older, a) == ["rl.steps: not recorded -> 2"]  # max_num_seqs is at its default
+    (tmp_path / "m.yaml").write_text(re.sub(r"\n  backend: .*\n  tp: 1\n", "\n  backend: {native: hf, isoexec: unified}\n",
+                                            CI_TINY))
+    a = load_config(tmp_path / "m.yaml")
     assert a.trainer.backend == {"native": "hf", "isoexec": "unified"}  # a per-mode mapping
     one_value = settings_record(a)
     one_value["trainer"]["backend"] = "unified"  # the record has one value where the config has a mapping

@@ -1,4 +1,5 @@
-"""``isoexec report tables|figures``: summary tables and figures of an experiment's paired RL runs."""
+"""``isoexec report tables|figures|notebook``: summary tables, figures and the analysis notebook of an
+experiment's paired RL runs (one row or line per arm)."""
 
 from __future__ import annotations
 
@@ -14,9 +15,9 @@ ExpDir = Annotated[
     Path,
     typer.Option("--exp-dir", help="experiment results folder, e.g. results/cpu-tiny", file_okay=False),
 ]
-Modes = Annotated[
+Arms = Annotated[
     list[str] | None,
-    typer.Option("--mode", help="only this mode (repeatable; default: every rl/<mode>/ found)"),
+    typer.Option("--arm", "--mode", help="only this arm (repeatable; default: every rl/<arm>/ found)"),
 ]
 Seeds = Annotated[
     list[int] | None,
@@ -24,28 +25,28 @@ Seeds = Annotated[
 ]
 
 
-def _run(kind: str, exp_dir: Path, modes: list[str] | None, seeds: list[int] | None) -> None:
+def _run(kind: str, exp_dir: Path, arms: list[str] | None, seeds: list[int] | None) -> None:
     """Write the tables or figures; a missing folder or bad metrics (``MetricsError``) propagate to the
     top-level CLI, which prints one ``error:`` line and exits 2."""
     if kind == "tables":
         from isoexec.report.tables import write_tables as write
     else:
         from isoexec.report.figures import write_figures as write
-    paths = write(exp_dir, modes or None, seeds or None)
+    paths = write(exp_dir, arms or None, seeds or None)
     for p in paths:
         typer.echo(f"wrote {p}")
 
 
 @app.command("tables")
-def tables_command(exp_dir: ExpDir, mode: Modes = None, seed: Seeds = None) -> None:
-    """Write tables/summary.{csv,md,tex} (one row per mode) and tables/per_seed.* with provenance."""
-    _run("tables", exp_dir, mode, seed)
+def tables_command(exp_dir: ExpDir, arm: Arms = None, seed: Seeds = None) -> None:
+    """Write tables/{summary,main,per_seed,timing}.{csv,md,tex} (one row per arm) and comparison.md, with provenance."""
+    _run("tables", exp_dir, arm, seed)
 
 
 @app.command("figures")
-def figures_command(exp_dir: ExpDir, mode: Modes = None, seed: Seeds = None) -> None:
+def figures_command(exp_dir: ExpDir, arm: Arms = None, seed: Seeds = None) -> None:
     """Write figures/{logprob_diff,is_ratio,reward,time}.{png,pdf}."""
-    _run("figures", exp_dir, mode, seed)
+    _run("figures", exp_dir, arm, seed)
 
 
 @app.command("notebook")

@@ -1,9 +1,13 @@
 """Inputs and outputs of the report layer: per-step RL metrics, run provenance, atomic writes.
 
-Layout read (written by ``isoexec rl train``)::
+Layout read (written by ``isoexec rl paired`` / ``isoexec rl train``)::
 
-    <exp_dir>/rl/<mode>/seed<k>/metrics.jsonl     one JSON object per RL step
-    <exp_dir>/rl/<mode>/seed<k>/provenance.json   git commit, machine, device, versions, command, date
+    <exp_dir>/rl/<arm>/seed<k>/metrics.jsonl     one JSON object per RL step
+    <exp_dir>/rl/<arm>/seed<k>/provenance.json   git commit, machine, device, versions, command, date
+
+An arm (:mod:`isoexec.rl.arms`) is a mode (``native``, ``isoexec``) or a mode's stack with SkyRL's
+off-policy correction (e.g. ``native-tis``); rows carry ``arm`` and ``mode`` (rows written before
+arms existed carry only ``mode``, which is then their arm).
 
 Every file the report layer writes goes through :mod:`isoexec.io` (temp file in the same folder,
 fsync, ``os.replace``), so a failed or interrupted write leaves the previous file intact.
@@ -52,15 +56,15 @@ class MetricsError(ValueError):
 
 
 def discover_runs(
-    exp_dir: str | Path, modes: Sequence[str] | None = None, seeds: Sequence[int] | None = None
+    exp_dir: str | Path, arms: Sequence[str] | None = None, seeds: Sequence[int] | None = None
 ) -> list[tuple[str, int, Path]]:
-    """The RL runs of an experiment as ``(mode, seed, run_dir)``, sorted by mode then seed.
+    """The RL runs of an experiment as ``(arm, seed, run_dir)``, sorted by arm then seed.
 
     Args:
         exp_dir: ``results/<exp>``.
-        modes, seeds: restrict to these (e.g. the experiment config's ``rl.modes`` / ``rl.seeds``,
-            so stale runs of an older config are ignored). Every requested (mode, seed) must exist.
-            ``None``: every run found on disk.
+        arms, seeds: restrict to these (e.g. the experiment's arms and ``rl.seeds``, so stale runs of
+            an older config are ignored). Every requested (arm, seed) must exist. ``None``: every run
+            found on disk.
 
     Raises:
         MetricsError: no run found, or a requested run has no ``metrics.jsonl``.
@@ -73,27 +77,28 @@ def discover_runs(
                 m = _RUN_DIR.match(run_dir.name)
                 if m and (run_dir / "metrics.jsonl").is_file():
                     found[(mode_dir.name, int(m.group(1)))] = run_dir
-    if modes is None and seeds is None:
+    if arms is None and seeds is None:
         runs = found
     else:
-        want_modes = list(modes) if modes is not None else sorted({m for m, _ in found})
+        want_arms = list(arms) if arms is not None else sorted({m for m, _ in found})
         want_seeds = list(seeds) if seeds is not None else sorted({s for _, s in found})
-        missing = [f"{m}/seed{s}" for m in want_modes for s in want_seeds if (m, s) not in found]
+        missing = [f"{m}/seed{s}" for m in want_arms for s in want_seeds if (m, s) not in found]
         if missing:
             raise MetricsError(f"{rl}: no metrics.jsonl for run(s) {', '.join(missing)}")
-        runs = {(m, s): found[(m, s)] for m in want_modes for s in want_seeds}
+        runs = {(m, s): found[(m, s)] for m in want_arms for s in want_seeds}
     if not runs:
-        raise MetricsError(f"{rl}: no RL runs found (expected rl/<mode>/seed<k>/metrics.jsonl)")
+        raise MetricsError(f"{rl}: no RL runs found (expected rl/<arm>/seed<k>/metrics.jsonl)")
     return [(m, s, runs[(m, s)]) for m, s in sorted(runs)]
 
 
-def read_metrics_file(path: str | Path, mode: str | None = None, seed: int | None = None) -> pd.DataFrame:
+def read_metrics_file(path: str | Path, arm: str | None = None, seed: int | None = None) -> pd.DataFrame:
     """One run's ``metrics.jsonl`` as a DataFrame sorted by step (one row per step).
 
-    ``mode``/``seed`` (from the folder names) fill missing columns and are checked against the rows.
+    ``arm``/``seed`` (from the folder names) fill missing columns and are checked against the rows
+    (a row's arm is its ``arm``, or its ``mode`` in rows written before arms existed).
 
     Raises:
-        MetricsError: unreadable line, missing required key, duplicate step, or a row whose mode/seed
+        MetricsError: unreadable line, missing required key, duplicate step, or a row whose arm/seed
             disagrees with its folder. The message names the file and line.
     """
     path = Path(path)
@@ -110,15 +115,18 @@ def read_metrics_file(path: str | Path, mode: str | None = None, seed: int | Non
         missing = [k for k in REQUIRED_KEYS if k not in row]
         if missing:
             raise MetricsError(f"{path}:{lineno}: missing key(s) {', '.join(missing)}")
-        for key, want in (("mode", mode), ("seed", seed)):
-            if want is not None and key in row and row[key] != want:
-                raise MetricsError(f"{path}:{lineno}: {key}={row[key]!r} but the folder says {want!r}")
+        row_arm = ("arm", row["arm"]) if "arm" in row else ("mode", row.get("mode"))
+        for (key, got), want in ((row_arm, arm), (("seed", row.get("seed")), seed)):
+            if want is not None and got is not None and got != want:
+                raise MetricsError(f"{path}:{lineno}: {key}={got!r} but the folder says {want!r}")
         rows.append(row)
     if not rows:
         raise MetricsError(f"{path}: no metrics rows")
     df = pd.DataFrame(rows)
-    if mode is not None:
-        df["mode"] = mode
+    if "arm" not in df:
+        df["arm"] = df["mode"] if "mode" in df else arm
+    if arm is not None:
+        df["arm"] = arm
     if seed is not None:
         df["seed"] = seed
     dup = df["step"][df["step"].duplicated()].tolist()
@@ -128,17 +136,17 @@ def read_metrics_file(path: str | Path, mode: str | None = None, seed: int | Non
 
 
 def load_metrics(
-    exp_dir: str | Path, modes: Sequence[str] | None = None, seeds: Sequence[int] | None = None
+    exp_dir: str | Path, arms: Sequence[str] | None = None, seeds: Sequence[int] | None = None
 ) -> pd.DataFrame:
-    """All per-step metrics of an experiment, one row per (mode, seed, step).
+    """All per-step metrics of an experiment, one row per (arm, seed, step).
 
-    Columns are the metrics.jsonl keys (``time/...`` keep their slash) plus ``mode`` and ``seed``.
+    Columns are the metrics.jsonl keys (``time/...`` keep their slash) plus ``arm`` and ``seed``.
     """
-    frames = [read_metrics_file(d / "metrics.jsonl", mode, seed) for mode, seed, d in discover_runs(exp_dir, modes, seeds)]
+    frames = [read_metrics_file(d / "metrics.jsonl", arm, seed) for arm, seed, d in discover_runs(exp_dir, arms, seeds)]
     df = pd.concat(frames, ignore_index=True)
     df["seed"] = df["seed"].astype(int)
     df["step"] = df["step"].astype(int)
-    return df.sort_values(["mode", "seed", "step"], kind="stable").reset_index(drop=True)
+    return df.sort_values(["arm", "seed", "step"], kind="stable").reset_index(drop=True)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -66,7 +66,8 @@ def _merged_streams(outputs: list) -> list:
 
 
 def run_notebook(notebook: str | Path, exp_dir: str | Path, out_dir: str | Path) -> list[Path]:
-    """Execute ``notebook`` with parameter ``exp_dir``; write ``<out_dir>/<name>.ipynb`` and ``.html``.
+    """Execute ``notebook`` with parameter ``exp_dir``; write ``<out_dir>/<name>.ipynb`` and ``.html`` (titled
+    ``<exp>: IsoExec analysis``).
 
     Args:
         notebook: the source notebook (a ``parameters``-tagged cell takes ``exp_dir``).
@@ -94,5 +95,7 @@ def run_notebook(notebook: str | Path, exp_dir: str | Path, out_dir: str | Path)
                                     kernel_name="python3", progress_bar=False, log_output=True)
     stable_notebook(nb)
     ipynb = atomic_write_text(out_dir / f"{notebook.stem}.ipynb", nbformat.writes(nb) + "\n")
-    html, _ = HTMLExporter().from_notebook_node(nb)
+    # the page title names the experiment (nbconvert's templates take it from the resources' metadata name;
+    # without it a notebook converted from memory is titled "Notebook")
+    html, _ = HTMLExporter().from_notebook_node(nb, resources={"metadata": {"name": f"{exp_dir.name}: IsoExec analysis"}})
     return [ipynb, atomic_write_text(out_dir / f"{notebook.stem}.html", html)]

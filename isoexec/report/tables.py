@@ -1,11 +1,15 @@
-"""Summary tables of the paired native-vs-IsoExec RL runs (docs/design.md, Metrics and The experiments).
+"""Summary tables of the paired RL runs, one row per arm (docs/design.md, Metrics and The experiments).
 
-``summary`` has one row per mode, aggregated over every seed and step:
+An arm (:mod:`isoexec.rl.arms`) is a mode (``native``, ``isoexec``) or a mode's stack with SkyRL's
+off-policy correction (e.g. ``native-tis``). Every overhead is against the ``native`` arm.
+
+``summary`` has one row per arm, aggregated over every seed and step:
 
 =============================  =======================================================================
 column                         definition
 =============================  =======================================================================
-mode                           ``native`` or ``isoexec``
+arm                            the arm (its runs are ``rl/<arm>/seed<k>/``)
+mode                           the stack it runs: ``native`` or ``isoexec``
 logprob_abs_diff_mean          mean |lT - lR| over all response tokens (token-weighted over steps)
 logprob_abs_diff_std           std of |lT - lR| over all response tokens (pooled from per-step std)
 logprob_abs_diff_max_mean      per-step max |lT - lR|, averaged over steps (and seeds)
@@ -22,33 +26,45 @@ seq_len_max                    the longest sequence (prompt + response tokens)
 k3_kl                          mean of exp(d) - d - 1 (token-weighted)
 is_ratio_min, is_ratio_max     extremes of exp(d) = pi_trainer / mu_rollout over all tokens
 is_ratio_clip_frac             share of tokens with exp(d) outside the loss's clip range (token-weighted)
+tis_capped_frac                share of tokens (token TIS) or sequences whose TIS weight hit its cap
+                               (step mean; empty for an arm without TIS)
+correction_masked_frac         share of sequences dropped by the arm's sequence mask (empty without one)
 time_generation_s, ...         mean seconds per step of time/generation, /score, /train, /weight_sync,
-                               /step, without each run's first step (engine start-up and warm-up)
-overhead_generation_pct, ...   100 * (t_mode / t_native - 1), computed per step pairwise within the
-                               same seed, then averaged; empty for the native row
-reward_first10, reward_last10  mean reward_mean over each seed's first / last 10 steps (fewer when
-                               the run is shorter), averaged over seeds
+                               /step, without each run's first step (start-up and warm-up)
+overhead_generation_pct, ...   paired overhead against native: for each seed, 100 * (the arm's summed
+                               time / native's summed time - 1) over the steps timed in both, then the
+                               mean over seeds; empty for the native row
+overhead_pct_lo, _hi           95% interval of overhead_pct: hierarchical bootstrap (seeds resampled,
+                               then each seed's steps, pairs kept together; :func:`bootstrap_interval`)
+reward_first, reward_last      mean reward_mean over each seed's first / last reward_window steps,
+                               averaged over seeds
+reward_window                  steps at each end: 10, or half the shortest run when it has fewer than 20
 n_seeds, n_steps               seeds and distinct steps aggregated
 =============================  =======================================================================
 
-``per_seed`` has the same columns with one row per (mode, seed). Exact zeros stay exact: a mode whose
-every diff is 0.0 gets 0.0 (not 1e-30, not NaN) in every diff column. Columns whose per-step key a
-run does not record (metrics written before the key existed) are empty.
+``per_seed`` has the same columns with one row per (arm, seed) (its intervals bootstrap the steps of
+that seed). ``timing`` has one row per (arm, phase): seconds per step, their spread over steps (the
+standard deviation of a timed step within a run, pooled over runs) and over seeds (of the per-seed
+means), and the overhead with its interval. Exact zeros stay exact: an arm whose every diff is 0.0
+gets 0.0 (not 1e-30, not NaN) in every diff column. Columns whose per-step key a run does not record
+(metrics written before the key existed) are empty.
 
 Files (under ``<exp_dir>/tables/``, written atomically): ``summary.csv`` (full precision) with
 ``summary.provenance.json`` beside it, ``summary.md`` and ``summary.tex`` (formatted like the blog,
-provenance in a comment header), the same for ``per_seed`` and for ``main`` (the compact table a paper
-takes: :data:`MAIN_HEADERS`, readable headers with units), and ``comparison.md``: the summary in the
-layout of the published table (docs/design.md, The problem) with the published values beside it.
+provenance in a comment header), the same for ``per_seed``, ``timing`` and ``main`` (the compact table
+a paper takes: :data:`MAIN_HEADERS`, readable headers with units; its md/tex show the overhead with its
+interval in one cell), and ``comparison.md``: the summary in the layout of the published table
+(docs/design.md, The problem) with the published values beside it.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
 from isoexec.report.data import (
@@ -59,8 +75,8 @@ from isoexec.report.data import (
     report_provenance,
 )
 
-BASELINE_MODE = "native"
-MODE_ORDER = ("native", "isoexec")
+BASELINE_ARM = "native"
+ARM_ORDER = ("native", "isoexec")
 # (metrics key, table column, overhead column) for the timing columns.
 TIME_KEYS: tuple[tuple[str, str, str], ...] = (
     ("time/generation", "time_generation_s", "overhead_generation_pct"),
@@ -70,6 +86,7 @@ TIME_KEYS: tuple[tuple[str, str, str], ...] = (
     ("time/step", "time_step_s", "overhead_pct"),
 )
 COLUMNS: tuple[str, ...] = (
+    "arm",
     "mode",
     "logprob_abs_diff_mean",
     "logprob_abs_diff_std",
@@ -88,6 +105,8 @@ COLUMNS: tuple[str, ...] = (
     "is_ratio_min",
     "is_ratio_max",
     "is_ratio_clip_frac",
+    "tis_capped_frac",
+    "correction_masked_frac",
     "time_generation_s",
     "time_score_s",
     "time_train_s",
@@ -98,24 +117,37 @@ COLUMNS: tuple[str, ...] = (
     "overhead_train_pct",
     "overhead_weight_sync_pct",
     "overhead_pct",
-    "reward_first10",
-    "reward_last10",
+    "overhead_pct_lo",
+    "overhead_pct_hi",
+    "reward_first",
+    "reward_last",
+    "reward_window",
     "n_seeds",
     "n_steps",
 )
 MAIN_HEADERS: dict[str, str] = {
-    "mode": "mode",
+    "arm": "arm",
     "logprob_abs_diff_mean": "mean abs logprob diff (nats)",
     "logprob_abs_diff_max": "max abs logprob diff (nats)",
     "mismatch_count": "mismatched tokens",
     "tokens": "tokens",
     "seqs_cross_chunk": "seqs crossing C",
-    "reward_first10": "reward, first 10 steps",
-    "reward_last10": "reward, last 10 steps",
+    "reward_first": "reward, first steps",
+    "reward_last": "reward, last steps",
     "time_step_s": "step (s)",
-    "overhead_pct": "step overhead",
+    "overhead_pct": "step overhead vs native",
+    "overhead_pct_lo": "step overhead, 95% low",
+    "overhead_pct_hi": "step overhead, 95% high",
 }
-"""The compact main table (``tables/main.*``): summary columns and their readable headers with units."""
+"""The compact main table (``tables/main.*``): summary columns and their readable headers with units. The
+md/tex show mismatched tokens as ``count / tokens`` and the overhead as ``+x% [lo, hi]``; the reward
+headers name the window (:func:`reward_headers`)."""
+TIMING_COLUMNS: tuple[str, ...] = ("arm", "phase", "time_s", "time_sd_step", "time_sd_seed", "overhead_pct",
+                                   "overhead_pct_lo", "overhead_pct_hi", "n_seeds", "n_steps")
+TIMING_HEADERS: dict[str, str] = {"time_s": "s per step", "time_sd_step": "sd over steps",
+                                  "time_sd_seed": "sd over seed means", "overhead_pct": "overhead vs native",
+                                  "overhead_pct_lo": "95% low", "overhead_pct_hi": "95% high"}
+"""Readable headers of the timing table's md/tex (its csv keeps the column names)."""
 SCIENTIFIC = {
     "logprob_abs_diff_mean",
     "logprob_abs_diff_std",
@@ -125,13 +157,16 @@ SCIENTIFIC = {
     "k3_kl",
 }
 INTEGER = {"mismatch_count", "tokens", "prompt_tokens", "seqs", "seqs_cross_chunk", "seqs_multi_kv_block",
-           "seq_len_max", "n_seeds", "n_steps", "seed"}
-REWARD_WINDOW = 10  # steps averaged at each end of a run for reward_first10 / reward_last10
+           "seq_len_max", "n_seeds", "n_steps", "seed", "reward_window"}
+REWARD_WINDOW = 10  # steps averaged at each end of a run for reward_first / reward_last (at most half the run)
+BOOTSTRAP_RESAMPLES = 10_000
+BOOTSTRAP_SEED = 0  # the tables are a pure function of the metrics: the resamples are drawn from a fixed seed
+INTERVAL = 0.95
 
 
-def mode_sort_key(mode: str) -> tuple[int, str]:
-    """Sort key: native, isoexec, then any other mode by name."""
-    return (MODE_ORDER.index(mode) if mode in MODE_ORDER else len(MODE_ORDER), mode)
+def arm_sort_key(arm: str) -> tuple[int, str]:
+    """Sort key: native, isoexec, then any other arm by name."""
+    return (ARM_ORDER.index(arm) if arm in ARM_ORDER else len(ARM_ORDER), arm)
 
 
 def _token_weighted_mean(values: pd.Series, tokens: pd.Series) -> float:
@@ -151,10 +186,10 @@ def _pooled_std(mean: pd.Series, std: pd.Series, tokens: pd.Series) -> float:
 
 
 def timed_steps(df: pd.DataFrame) -> pd.DataFrame:
-    """Rows that count for timing: every step but the first of each (mode, seed) run, whose time
-    includes engine start-up and first-call warm-up; a run of a single step keeps it."""
-    first = df.groupby(["mode", "seed"])["step"].transform("min")
-    n = df.groupby(["mode", "seed"])["step"].transform("count")
+    """Rows that count for timing: every step but the first of each (arm, seed) run, whose time
+    includes the run's start-up and first-call warm-up; a run of a single step keeps it."""
+    first = df.groupby(["arm", "seed"])["step"].transform("min")
+    n = df.groupby(["arm", "seed"])["step"].transform("count")
     return df[(df["step"] != first) | (n == 1)]
 
 
@@ -165,18 +200,32 @@ def _optional(g: pd.DataFrame, key: str, how: str) -> float:
     return float(getattr(g[key], how)())
 
 
-def _reward_window(g: pd.DataFrame, last: bool) -> float:
-    """Mean over seeds of each seed's mean reward over its first (or last) ``REWARD_WINDOW`` steps."""
+def reward_window(df: pd.DataFrame) -> int:
+    """Steps averaged at each end for reward_first / reward_last: ``REWARD_WINDOW``, or half the shortest
+    run when it has fewer than ``2 * REWARD_WINDOW`` steps (at least 1: a one-step run's ends are that step)."""
+    shortest = int(df.groupby(["arm", "seed"])["step"].count().min())
+    return max(1, min(REWARD_WINDOW, shortest // 2))
+
+
+def reward_headers(window: int) -> dict[str, str]:
+    """The main table's reward headers for ``window`` steps at each end."""
+    steps = "step" if window == 1 else f"{window} steps"
+    return {"reward_first": f"reward, first {steps}", "reward_last": f"reward, last {steps}"}
+
+
+def _reward_end(g: pd.DataFrame, window: int, last: bool) -> float:
+    """Mean over seeds of each seed's mean reward over its first (or last) ``window`` steps."""
     per_seed = g.sort_values("step").groupby("seed")["reward_mean"]
-    ends = per_seed.apply(lambda s: s.tail(REWARD_WINDOW).mean() if last else s.head(REWARD_WINDOW).mean())
+    ends = per_seed.apply(lambda s: s.tail(window).mean() if last else s.head(window).mean())
     return float(ends.mean())
 
 
-def _aggregate(g: pd.DataFrame) -> dict:
-    """Every non-overhead column for one group of per-step rows (one mode, one or more seeds)."""
+def _aggregate(g: pd.DataFrame, window: int) -> dict:
+    """Every column but the overheads for one group of per-step rows (one arm, one or more seeds)."""
     tokens = g["tokens"].astype(float)
     frac = g["seqs_cross_chunk"] / g["seqs"] if {"seqs_cross_chunk", "seqs"} <= set(g) else pd.Series([math.nan])
     row = {
+        "mode": str(g["mode"].iloc[0]) if "mode" in g else str(g["arm"].iloc[0]),
         "logprob_abs_diff_mean": _token_weighted_mean(g["logprob_abs_diff_mean"], tokens),
         "logprob_abs_diff_std": _pooled_std(g["logprob_abs_diff_mean"], g["logprob_abs_diff_std"], tokens),
         "logprob_abs_diff_max_mean": float(g["logprob_abs_diff_max"].mean()),
@@ -195,8 +244,11 @@ def _aggregate(g: pd.DataFrame) -> dict:
         "is_ratio_max": _optional(g, "is_ratio_max", "max"),
         "is_ratio_clip_frac": (_token_weighted_mean(g["is_ratio_clip_frac"], tokens)
                                if "is_ratio_clip_frac" in g else math.nan),
-        "reward_first10": _reward_window(g, last=False),
-        "reward_last10": _reward_window(g, last=True),
+        "tis_capped_frac": _optional(g, "tis_capped_frac", "mean"),
+        "correction_masked_frac": _optional(g, "correction_masked_frac", "mean"),
+        "reward_first": _reward_end(g, window, last=False),
+        "reward_last": _reward_end(g, window, last=True),
+        "reward_window": window,
         "n_seeds": int(g["seed"].nunique()),
         "n_steps": int(g["step"].nunique()),
     }
@@ -206,48 +258,127 @@ def _aggregate(g: pd.DataFrame) -> dict:
     return row
 
 
-def paired_overhead(df: pd.DataFrame, key: str = "time/step", baseline: str = BASELINE_MODE) -> pd.DataFrame:
-    """Per-step paired overhead of every mode against ``baseline``, in percent.
+# --------------------------------------------------------------------------------------------------
+# paired overheads and their intervals
+# --------------------------------------------------------------------------------------------------
 
-    Rows of a mode are matched to the baseline's rows of the same (seed, step); each pair gives
-    ``100 * (t_mode / t_baseline - 1)``. Pairs whose baseline time is 0 or missing are dropped, and
-    so are the warm-up steps (see :func:`timed_steps`).
+
+def paired_times(df: pd.DataFrame, key: str = "time/step", baseline: str = BASELINE_ARM
+                 ) -> dict[tuple[str, int], tuple[np.ndarray, np.ndarray]]:
+    """Per (arm, seed) of every arm but ``baseline``: its and the baseline's ``key`` seconds over the
+    steps both timed (:func:`timed_steps`; steps whose baseline time is 0 or missing left out), in step
+    order: ``(t_arm [S], t_baseline [S])``."""
+    df = timed_steps(df)
+    base = df[df["arm"] == baseline][["seed", "step", key]].rename(columns={key: "_base"})
+    other = df[df["arm"] != baseline][["arm", "seed", "step", key]]
+    pairs = other.merge(base, on=["seed", "step"], how="inner")
+    pairs = pairs[(pairs["_base"] > 0) & pairs[key].notna()].sort_values(["arm", "seed", "step"])
+    return {(arm, int(seed)): (g[key].to_numpy(float), g["_base"].to_numpy(float))
+            for (arm, seed), g in pairs.groupby(["arm", "seed"], sort=False)}
+
+
+def _ratio_of_sums(t_arm: np.ndarray, t_base: np.ndarray) -> np.ndarray:
+    return t_arm.sum(-1) / t_base.sum(-1)
+
+
+def bootstrap_interval(per_seed: Sequence[tuple[np.ndarray, ...]],
+                       stat: Callable[..., np.ndarray] = _ratio_of_sums,
+                       resamples: int = BOOTSTRAP_RESAMPLES, level: float = INTERVAL) -> tuple[float, float]:
+    """Percentile interval of ``mean over seeds of stat(seed's steps)`` by a two-level bootstrap.
+
+    Each resample draws the seeds with replacement, then, for every drawn seed independently, its steps
+    with replacement (the arrays of a seed share the step draw, so paired times stay paired), and
+    averages ``stat`` over the drawn seeds. The spread of a run's steps and the spread between seeds
+    (which carries what drifts between runs) both enter. Draws come from ``BOOTSTRAP_SEED``.
+
+    Args:
+        per_seed: per seed, arrays of equal length ``[S_i]`` (e.g. the arm's and the baseline's step
+            times, :func:`paired_times`).
+        stat: maps the drawn arrays, each ``[R, S_i]``, to ``[R]`` (default: ratio of the sums).
+        resamples, level: the number of resamples R and the central coverage.
 
     Returns:
-        columns mode, seed, step, overhead_pct (the baseline mode itself is not included).
+        ``(low, high)``; NaN, NaN when nothing varies (one seed with fewer than two steps).
     """
-    df = timed_steps(df)
-    base = df[df["mode"] == baseline][["seed", "step", key]].rename(columns={key: "_base"})
-    other = df[df["mode"] != baseline][["mode", "seed", "step", key]]
-    pairs = other.merge(base, on=["seed", "step"], how="inner")
-    pairs = pairs[(pairs["_base"] > 0) & pairs[key].notna()]
-    pairs = pairs.assign(overhead_pct=100.0 * (pairs[key] / pairs["_base"] - 1.0))
-    return pairs[["mode", "seed", "step", "overhead_pct"]].reset_index(drop=True)
+    n = len(per_seed)
+    if n == 0 or (n == 1 and len(per_seed[0][0]) < 2):
+        return math.nan, math.nan
+    rng = np.random.default_rng(BOOTSTRAP_SEED)
+    seeds = rng.integers(0, n, (resamples, n))  # [R, n]: the seed in each slot of each resample
+    slots = np.empty((n, resamples))
+    for j in range(n):
+        by_seed = np.empty((n, resamples))  # a fresh step draw of every seed for slot j
+        for i, arrays in enumerate(per_seed):
+            steps = rng.integers(0, len(arrays[0]), (resamples, len(arrays[0])))  # one draw for all arrays of the seed
+            by_seed[i] = stat(*(a[steps] for a in arrays))
+        slots[j] = by_seed[seeds[:, j], np.arange(resamples)]
+    lo, hi = np.quantile(slots.mean(0), [(1 - level) / 2, (1 + level) / 2])
+    return float(lo), float(hi)
 
 
-def _with_overheads(table: pd.DataFrame, df: pd.DataFrame, by: list[str]) -> pd.DataFrame:
+def phase_overhead(df: pd.DataFrame, arm: str, key: str = "time/step",
+                   seeds: Sequence[int] | None = None) -> tuple[float, float, float]:
+    """``(overhead, low, high)`` in percent of ``arm``'s ``key`` time against native's: for each of ``seeds``
+    (default all) the ratio of the summed times over the steps both timed, the mean of those ratios minus
+    one, and the :func:`bootstrap_interval` of it. NaN for native itself or an arm without a paired run."""
+    runs = [v for (a, s), v in paired_times(df, key).items() if a == arm and (seeds is None or s in seeds)]
+    if not runs:
+        return math.nan, math.nan, math.nan
+    lo, hi = bootstrap_interval(runs)
+    return tuple(100.0 * (x - 1.0) for x in (float(np.mean([_ratio_of_sums(*v) for v in runs])), lo, hi))
+
+
+def _overheads(df: pd.DataFrame, arm: str, seeds: Sequence[int] | None = None) -> dict[str, float]:
+    """Every overhead column of ``arm`` against native (over ``seeds``, default all), with the step
+    overhead's interval."""
+    out: dict[str, float] = {}
     for key, _, col in TIME_KEYS:
-        ov = paired_overhead(df, key)
-        means = ov.groupby(by)["overhead_pct"].mean().rename(col).reset_index()
-        table = table.merge(means, on=by, how="left")
-    return table
+        out[col], lo, hi = phase_overhead(df, arm, key, seeds)
+        if key == "time/step":
+            out["overhead_pct_lo"], out["overhead_pct_hi"] = lo, hi
+    return out
 
 
 def summarize(df: pd.DataFrame) -> pd.DataFrame:
-    """The ``summary`` table (one row per mode) from :func:`isoexec.report.data.load_metrics` rows."""
-    rows = [{"mode": mode, **_aggregate(g)} for mode, g in df.groupby("mode", sort=False)]
-    table = _with_overheads(pd.DataFrame(rows), df, ["mode"])
-    table = table.sort_values("mode", key=lambda s: s.map(mode_sort_key), kind="stable")
+    """The ``summary`` table (one row per arm) from :func:`isoexec.report.data.load_metrics` rows."""
+    window = reward_window(df)
+    rows = [{"arm": arm, **_aggregate(g, window), **_overheads(df, arm)} for arm, g in df.groupby("arm", sort=False)]
+    table = pd.DataFrame(rows).sort_values("arm", key=lambda s: s.map(arm_sort_key), kind="stable")
     return table[list(COLUMNS)].reset_index(drop=True)
 
 
 def summarize_per_seed(df: pd.DataFrame) -> pd.DataFrame:
-    """The ``per_seed`` table (one row per (mode, seed)); same columns as :func:`summarize` plus seed."""
-    rows = [{"mode": mode, "seed": int(seed), **_aggregate(g)} for (mode, seed), g in df.groupby(["mode", "seed"], sort=False)]
-    table = _with_overheads(pd.DataFrame(rows), df, ["mode", "seed"])
-    table = table.sort_values(["mode", "seed"], key=lambda s: s.map(mode_sort_key) if s.name == "mode" else s, kind="stable")
-    cols = ["mode", "seed", *COLUMNS[1:]]
-    return table[cols].reset_index(drop=True)
+    """The ``per_seed`` table (one row per (arm, seed)); same columns as :func:`summarize` plus seed."""
+    window = reward_window(df)
+    rows = [{"arm": arm, "seed": int(seed), **_aggregate(g, window), **_overheads(df, arm, [int(seed)])}
+            for (arm, seed), g in df.groupby(["arm", "seed"], sort=False)]
+    table = pd.DataFrame(rows)
+    table = table.sort_values(["arm", "seed"], key=lambda s: s.map(arm_sort_key) if s.name == "arm" else s, kind="stable")
+    return table[["arm", "seed", *COLUMNS[1:]]].reset_index(drop=True)
+
+
+def summarize_timing(df: pd.DataFrame) -> pd.DataFrame:
+    """The ``timing`` table: one row per (arm, phase), see the module docstring."""
+    timed = timed_steps(df)
+    rows = []
+    for arm, g in timed.groupby("arm", sort=False):
+        for key, _, _ in TIME_KEYS:
+            runs = g.groupby("seed")[key]
+            pct, lo, hi = phase_overhead(df, arm, key)
+            rows.append({
+                "arm": arm,
+                "phase": key.removeprefix("time/"),
+                "time_s": float(g[key].mean()),
+                "time_sd_step": math.sqrt(float(runs.var(ddof=1).mean())) if runs.count().min() > 1 else math.nan,
+                "time_sd_seed": float(runs.mean().std(ddof=1)) if g["seed"].nunique() > 1 else math.nan,
+                "overhead_pct": pct,
+                "overhead_pct_lo": lo,
+                "overhead_pct_hi": hi,
+                "n_seeds": int(g["seed"].nunique()),
+                "n_steps": int(g["step"].nunique()),
+            })
+    table = pd.DataFrame(rows).sort_values("arm", key=lambda s: s.map(arm_sort_key), kind="stable")
+    return table[list(TIMING_COLUMNS)].reset_index(drop=True)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -263,11 +394,19 @@ def format_scientific(x: float) -> str:
     return f"{mantissa}e{int(exponent)}"
 
 
+TEXT_COLUMNS = {"arm", "mode", "phase"}
+NOTE = ("Diffs are |trainer - rollout| logprob per response token; 0 means bitwise identical. Times are seconds "
+        "per step without each run's first step (start-up, warm-up). Overheads are against native, paired within "
+        "each seed (the arm's summed time over native's, over the same steps), then averaged over seeds; "
+        "[low, high]: 95% interval, a bootstrap that resamples the seeds, then each seed's steps.")
+
+
 def format_value(col: str, x) -> str:
-    """One cell as shown in md/tex; ``""`` for a missing value (e.g. the native row's overhead)."""
+    """One cell as shown in md/tex; ``""`` for a missing value (e.g. the native row's overhead); a string
+    (a cell composed for display) as it is."""
     if x is None or (isinstance(x, float) and math.isnan(x)):
         return ""
-    if col == "mode":
+    if isinstance(x, str) or col in TEXT_COLUMNS:
         return str(x)
     if col in INTEGER:
         return str(int(x))
@@ -284,24 +423,48 @@ def format_value(col: str, x) -> str:
     return f"{x:.4g}"
 
 
+def overhead_cell(pct: float, lo: float, hi: float) -> str:
+    """``+9.7% [+3.1, +16.2]`` (the interval left out where there is none; empty for the baseline)."""
+    if math.isnan(pct):
+        return ""
+    cell = format_value("overhead_pct", pct)
+    return cell if math.isnan(lo) else f"{cell} [{lo:+.1f}, {hi:+.1f}]"
+
+
+def main_display(summary: pd.DataFrame) -> tuple[pd.DataFrame, dict[str, str]]:
+    """The main table as shown in md/tex: cells formatted, ``mismatched / tokens`` and the overhead with its
+    interval in one cell each; returns the table and its headers."""
+    window = int(summary["reward_window"].min())
+    shown = pd.DataFrame({
+        "arm": summary["arm"],
+        "logprob_abs_diff_mean": summary["logprob_abs_diff_mean"].map(lambda x: format_value("logprob_abs_diff_mean", x)),
+        "logprob_abs_diff_max": summary["logprob_abs_diff_max"].map(lambda x: format_value("logprob_abs_diff_max", x)),
+        "mismatched": [f"{int(m)} / {int(t)}" for m, t in zip(summary["mismatch_count"], summary["tokens"], strict=True)],
+        "seqs_cross_chunk": summary["seqs_cross_chunk"].map(lambda x: format_value("seqs_cross_chunk", x)),
+        "reward_first": summary["reward_first"].map(lambda x: format_value("reward_first", x)),
+        "reward_last": summary["reward_last"].map(lambda x: format_value("reward_last", x)),
+        "time_step_s": summary["time_step_s"].map(lambda x: format_value("time_step_s", x)),
+        "overhead": [overhead_cell(*v) for v in zip(summary["overhead_pct"], summary["overhead_pct_lo"],
+                                                     summary["overhead_pct_hi"], strict=True)],
+    })
+    headers = {**MAIN_HEADERS, **reward_headers(window), "mismatched": "mismatched tokens / tokens",
+               "overhead": "step overhead vs native [95% interval]"}
+    return shown, headers
+
+
 def _formatted(table: pd.DataFrame) -> list[list[str]]:
     return [[format_value(c, v) for c, v in zip(table.columns, row, strict=True)] for row in table.itertuples(index=False)]
 
 
-def to_markdown(table: pd.DataFrame, prov: dict, title: str, headers: dict[str, str] | None = None) -> str:
+def to_markdown(table: pd.DataFrame, prov: dict, title: str, headers: dict[str, str] | None = None,
+                note: str = NOTE) -> str:
     """A GitHub-markdown table with the provenance in an HTML comment header; ``headers`` renames columns
-    for display (cells are formatted by their column's name)."""
+    for display (cells are formatted by their column's name); ``note`` follows the table."""
     lines = ["<!--", *(f"  {line}" for line in provenance_lines(prov)), "-->", f"**{title}**", ""]
     lines.append("| " + " | ".join((headers or {}).get(c, c) for c in table.columns) + " |")
-    lines.append("|" + "|".join("---" if c == "mode" else "---:" for c in table.columns) + "|")
+    lines.append("|" + "|".join("---" if c in TEXT_COLUMNS else "---:" for c in table.columns) + "|")
     lines += ["| " + " | ".join(cells) + " |" for cells in _formatted(table)]
-    lines += [
-        "",
-        "Diffs are |trainer - rollout| logprob per response token; 0 means bitwise identical. "
-        "Times are seconds per step without each run's first (warm-up) step; overheads are paired per step "
-        "within each seed, then averaged.",
-        "",
-    ]
+    lines += ["", note, ""]
     return "\n".join(lines)
 
 
@@ -315,7 +478,7 @@ def to_latex(table: pd.DataFrame, prov: dict, title: str, headers: dict[str, str
     """A booktabs ``tabular`` with the provenance in ``%`` comments; ``headers`` as in :func:`to_markdown`."""
     lines = [f"% {line}" for line in provenance_lines(prov)]
     lines.append(f"% {title}")
-    lines.append(r"\begin{tabular}{" + "".join("l" if c == "mode" else "r" for c in table.columns) + "}")
+    lines.append(r"\begin{tabular}{" + "".join("l" if c in TEXT_COLUMNS else "r" for c in table.columns) + "}")
     lines.append(r"\toprule")
     lines.append(" & ".join(_tex_escape((headers or {}).get(c, c)) for c in table.columns) + r" \\")
     lines.append(r"\midrule")
@@ -325,44 +488,56 @@ def to_latex(table: pd.DataFrame, prov: dict, title: str, headers: dict[str, str
 
 
 def write_table(table: pd.DataFrame, out_dir: Path, stem: str, prov: dict, title: str,
-                headers: dict[str, str] | None = None) -> list[Path]:
-    """``<stem>.csv`` + ``<stem>.provenance.json`` + ``<stem>.md`` + ``<stem>.tex``, each atomically;
-    ``headers`` renames the columns in all three tables."""
+                headers: dict[str, str] | None = None,
+                shown: tuple[pd.DataFrame, dict[str, str]] | None = None) -> list[Path]:
+    """``<stem>.csv`` + ``<stem>.provenance.json`` + ``<stem>.md`` + ``<stem>.tex``, each atomically.
+
+    ``headers`` renames the columns of the csv (and of md/tex); ``shown``: another table and its headers
+    for md/tex (cells composed for display, e.g. :func:`main_display`)."""
+    md_table, md_headers = shown or (table, headers)
     files = [
         atomic_write_text(out_dir / f"{stem}.csv", table.rename(columns=headers or {}).to_csv(index=False)),
         atomic_write_text(out_dir / f"{stem}.provenance.json", json.dumps(prov, indent=2, sort_keys=True) + "\n"),
-        atomic_write_text(out_dir / f"{stem}.md", to_markdown(table, prov, title, headers)),
-        atomic_write_text(out_dir / f"{stem}.tex", to_latex(table, prov, title, headers)),
+        atomic_write_text(out_dir / f"{stem}.md", to_markdown(md_table, prov, title, md_headers)),
+        atomic_write_text(out_dir / f"{stem}.tex", to_latex(md_table, prov, title, md_headers)),
     ]
     return files
 
 
 def write_tables(
-    exp_dir: str | Path, modes: Sequence[str] | None = None, seeds: Sequence[int] | None = None
+    exp_dir: str | Path, arms: Sequence[str] | None = None, seeds: Sequence[int] | None = None
 ) -> list[Path]:
-    """Compute and write ``<exp_dir>/tables/{summary,per_seed}.{csv,provenance.json,md,tex}``.
+    """Compute and write ``<exp_dir>/tables/{summary,per_seed,timing,main}.{csv,provenance.json,md,tex}`` and
+    ``comparison.md``.
 
     Args:
-        exp_dir: ``results/<exp>``; metrics are read from ``rl/<mode>/seed<k>/metrics.jsonl``.
-        modes, seeds: restrict to these runs (default: every run on disk).
+        exp_dir: ``results/<exp>``; metrics are read from ``rl/<arm>/seed<k>/metrics.jsonl``.
+        arms, seeds: restrict to these runs (default: every run on disk).
 
     Returns:
         the paths written.
     """
     exp_dir = Path(exp_dir)
-    runs = discover_runs(exp_dir, modes, seeds)
-    df = load_metrics(exp_dir, modes, seeds)
+    runs = discover_runs(exp_dir, arms, seeds)
+    df = load_metrics(exp_dir, arms, seeds)
     prov = report_provenance(exp_dir, [d / "metrics.jsonl" for _, _, d in runs], [d for _, _, d in runs])
     out = exp_dir / "tables"
     name = exp_dir.name
+    arms_named = ", ".join(sorted(df["arm"].unique(), key=arm_sort_key))
     summary = summarize(df)
-    files = write_table(summary, out, "summary", prov, f"{name}: native vs IsoExec, all seeds and steps")
+    files = write_table(summary, out, "summary", prov, f"{name}: {arms_named}, all seeds and steps")
     files.append(
         atomic_write_text(out / "comparison.md", to_comparison_markdown(summary, prov, f"{name} vs the published result"))
     )
     files += write_table(summary[list(MAIN_HEADERS)], out, "main", prov,
-                         f"{name}: native vs IsoExec (means over seeds; the full table is summary.*)", MAIN_HEADERS)
+                         f"{name}: {arms_named} (means over seeds; the full table is summary.*)",
+                         {**MAIN_HEADERS, **reward_headers(int(summary["reward_window"].min()))},
+                         shown=main_display(summary))
     files += write_table(summarize_per_seed(df), out, "per_seed", prov, f"{name}: per seed")
+    timing = summarize_timing(df)
+    files += write_table(timing, out, "timing", prov,
+                         f"{name}: seconds per step by phase, their spread over steps and seeds, overheads vs native",
+                         shown=(timing, TIMING_HEADERS))
     return files
 
 
@@ -399,7 +574,7 @@ _COMPARISON_ROWS = (
     ("policy training time / step", "time_train_s", "overhead_train_pct"),
     ("weight sync time / step", "time_weight_sync_s", "overhead_weight_sync_pct"),
     ("full RL step", "time_step_s", "overhead_pct"),
-    ("mean reward, first 10 -> last 10 steps", "reward_first10", "reward_last10"),
+    ("mean reward, first {w} -> last {w} steps", "reward_first", "reward_last"),
     ("sequences crossing GDN chunks / sequences", "seqs_cross_chunk", "seqs"),
 )
 
@@ -415,23 +590,24 @@ def _comparison_cell(row: dict | None, col: str, extra: str | None) -> str:
             v += f" ({format_value(extra, ov)})"
     elif extra in ("tokens", "seqs"):
         v += f" / {format_value(extra, row[extra])}"
-    elif extra == "reward_last10":
+    elif extra == "reward_last":
         v += f" -> {format_value(extra, row[extra])}"
     return v
 
 
 def to_comparison_markdown(summary: pd.DataFrame, prov: dict, title: str) -> str:
-    """The summary in the published table's layout (metric rows, mode columns) beside the blog's values."""
-    rows = {r["mode"]: r for r in summary.to_dict("records")}
-    modes = sorted(rows, key=mode_sort_key)
+    """The summary in the published table's layout (metric rows, arm columns) beside the blog's values."""
+    rows = {r["arm"]: r for r in summary.to_dict("records")}
+    modes = sorted(rows, key=arm_sort_key)
     lines = ["<!--", *(f"  {line}" for line in provenance_lines(prov)), "-->", f"**{title}**", ""]
     head = ["metric", *modes, *(f"published {m}" for m in PUBLISHED)]
     lines.append("| " + " | ".join(head) + " |")
     lines.append("|---" + "|---:" * (len(head) - 1) + "|")
+    window = int(summary["reward_window"].min())
     for label, col, extra in _COMPARISON_ROWS:
         cells = [_comparison_cell(rows[m], col, extra) for m in modes]
         cells += [_comparison_cell(PUBLISHED[m], col, extra) for m in PUBLISHED]
-        lines.append("| " + " | ".join([label, *cells]) + " |")
+        lines.append("| " + " | ".join([label.format(w=window), *cells]) + " |")
     n = {m: f"{int(rows[m]['n_seeds'])} x {int(rows[m]['n_steps'])}" for m in modes}
     lines.append("| " + " | ".join(["seeds x steps", *(n[m] for m in modes), "1 x 50", "1 x 50"]) + " |")
     lines += [

@@ -5,8 +5,9 @@ One-liners for the workflow rules::
     isoexec rl data  --config X.yaml --out runs/data       # the embedded task as DAPO-schema parquet
     isoexec rl init-model --config X.yaml --out runs/model/init
     isoexec rl sft   --config X.yaml --init runs/model/init --out runs/model/sft
-    isoexec rl train --config X.yaml --mode native --seed 0 --init runs/model/sft \\
+    isoexec rl train --config X.yaml --arm native --seed 0 --init runs/model/sft \\
         --out results/<exp>/rl/native/seed0 [--steps N] [--driver loop|skyrl] [--threads 1]
+    isoexec rl paired --config X.yaml --init runs/model/sft --out results/<exp>/rl   # every arm and seed, interleaved
 
 The trainer and engine backends come from the experiment's ``trainer.backend`` / ``engine.backend``.
 """
@@ -20,7 +21,7 @@ from pathlib import Path
 import typer
 
 app = typer.Typer(no_args_is_help=True, add_completion=False,
-                  help="Tiny checkpoint, SFT warm start and the paired native/isoexec RL runs.")
+                  help="Tiny checkpoint, SFT warm start and the paired RL runs of every arm.")
 
 _THREADS = typer.Option(1, min=1, help="torch intra-op threads; 1 is the most robust on a shared 2-core machine")
 
@@ -85,23 +86,14 @@ def sft(config: Path = typer.Option(..., help="experiment YAML"),
                f"in band: {m['in_band']}; wrote {out}")
 
 
-@app.command("train")
-def train(config: Path = typer.Option(..., help="experiment YAML"),
-          mode: str = typer.Option(..., help="native | isoexec"),
-          seed: int = typer.Option(..., help="run seed (data order, sampling seeds)"),
-          init: Path = typer.Option(..., help="the SFT checkpoint"),
-          out: Path = typer.Option(..., help="results/<exp>/rl/<mode>/seed<k>"),
-          steps: int | None = typer.Option(None, help="override rl.steps"),
-          driver: str | None = typer.Option(None, help="override rl.driver: skyrl (SkyRL's RayPPOTrainer, Ray "
-                                                       "started locally; needs the skyrl extra) | loop (in-process)"),
-          threads: int = _THREADS) -> None:
-    """One paired-run half: GRPO/DAPO steps of MODE from INIT; writes metrics.jsonl + provenance.json."""
+def _run_config(config: Path, init: Path, steps: int | None, driver: str | None, arm: str | None = None):
+    """The experiment of ``config`` with ``--driver`` applied, after the checks every RL command makes (and
+    that ``arm`` is one of its arms)."""
     from pydantic import ValidationError
 
     from isoexec.config import load_config, validation_summary
+    from isoexec.rl.arms import arm_names
 
-    if mode not in ("native", "isoexec"):
-        raise typer.BadParameter(f"--mode must be native or isoexec, got {mode!r}")
     if driver not in (None, "loop", "skyrl"):
         raise typer.BadParameter(f"--driver must be loop or skyrl, got {driver!r}")
     cfg = load_config(config)
@@ -110,25 +102,74 @@ def train(config: Path = typer.Option(..., help="experiment YAML"),
             cfg = type(cfg).model_validate({**cfg.model_dump(), "rl": {**cfg.rl.model_dump(), "driver": driver}})
         except ValidationError as e:
             raise typer.BadParameter(f"--driver {driver} with {config}: {validation_summary(e)}") from None
+    if arm is not None and arm not in arm_names(cfg):
+        raise typer.BadParameter(f"--arm {arm!r} is not an arm of {config}; its arms: {', '.join(arm_names(cfg))}")
     if (steps if steps is not None else cfg.rl.steps) < 1:
         raise typer.BadParameter(f"{'--steps' if steps is not None else f'rl.steps of {config}'}="
                                  f"{steps if steps is not None else cfg.rl.steps}: RL training needs at least one step")
     _checkpoint(init, "--init", "`isoexec rl sft` (or `isoexec rl init-model`)")
+    return cfg
+
+
+_STEPS = typer.Option(None, help="override rl.steps")
+_DRIVER = typer.Option(None, help="override rl.driver: skyrl (SkyRL's RayPPOTrainer, Ray started locally; needs "
+                                  "the skyrl extra) | loop (in-process)")
+
+
+@app.command("train")
+def train(config: Path = typer.Option(..., help="experiment YAML"),
+          arm: str = typer.Option(..., "--arm", "--mode", help="native | isoexec | an arm of the experiment's "
+                                  "arms section (e.g. native-tis)"),
+          seed: int = typer.Option(..., help="run seed (data order, sampling seeds)"),
+          init: Path = typer.Option(..., help="the SFT checkpoint"),
+          out: Path = typer.Option(..., help="results/<exp>/rl/<arm>/seed<k>"),
+          steps: int | None = _STEPS,
+          driver: str | None = _DRIVER,
+          threads: int = _THREADS) -> None:
+    """One run of a paired experiment: GRPO/DAPO steps of ARM from INIT; writes metrics.jsonl + provenance.json."""
+    cfg = _run_config(config, init, steps, driver, arm)
     _setup(threads)
     if cfg.rl.driver == "skyrl":
         from isoexec.rl.skyrl.driver import run_skyrl
 
-        rows = run_skyrl(cfg, mode, seed, init, out, steps=steps, threads=threads)
+        rows = run_skyrl(cfg, arm, seed, init, out, steps=steps, threads=threads)
     else:
         from isoexec.rl.loop import run_rl
 
-        rows = run_rl(cfg, mode, seed, init, out, steps=steps)
-    _summary(mode, seed, rows, out)
+        rows = run_rl(cfg, arm, seed, init, out, steps=steps)
+    _summary(arm, seed, rows, out)
 
 
-def _summary(mode: str, seed: int, rows: list[dict], out: Path) -> None:
+@app.command("paired")
+def paired(config: Path = typer.Option(..., help="experiment YAML"),
+           init: Path = typer.Option(..., help="the SFT checkpoint"),
+           out: Path = typer.Option(..., help="results/<exp>/rl: each run goes to <arm>/seed<k>/ below it"),
+           steps: int | None = _STEPS,
+           driver: str | None = _DRIVER,
+           threads: int = _THREADS) -> None:
+    """Every arm and seed of the experiment in one process, interleaved: each seed's arms back to back,
+    their order turned by one place per seed (isoexec.rl.arms.schedule), so that machine drift lands on
+    every arm of a seed alike. Under SkyRL the runs share Ray, the engines and the trainer workers."""
+    from isoexec.rl.arms import schedule
+
+    cfg = _run_config(config, init, steps, driver)
+    _setup(threads)
+    if cfg.rl.driver == "skyrl":
+        from isoexec.rl.skyrl.driver import run_paired
+
+        runs = run_paired(cfg, init, out, steps=steps, threads=threads)
+    else:
+        from isoexec.rl.loop import run_rl
+
+        runs = {(a.name, s): run_rl(cfg, a.name, s, init, out / a.name / f"seed{s}", steps=steps)
+                for a, s in schedule(cfg)}
+    for (arm, seed), rows in runs.items():
+        _summary(arm, seed, rows, out / arm / f"seed{seed}")
+
+
+def _summary(arm: str, seed: int, rows: list[dict], out: Path) -> None:
     t = sum(r["time/step"] for r in rows) / max(1, len(rows))
-    typer.echo(f"{mode} seed {seed}: {len(rows)} steps, mean step {t:.2f}s, final reward "
+    typer.echo(f"{arm} seed {seed}: {len(rows)} steps, mean step {t:.2f}s, final reward "
                f"{rows[-1]['reward_mean'] if rows else float('nan'):.3f}; wrote {out}/metrics.jsonl")
 
 

@@ -1,4 +1,5 @@
-"""The in-process RL loop: one paired run (mode, seed) of GRPO/DAPO on the task's DAPO-schema data, without Ray.
+"""The in-process RL loop: one run (arm, seed) of a paired experiment, GRPO/DAPO on the task's DAPO-schema
+data, without Ray.
 
 The main job runs through SkyRL (``rl.driver: skyrl``, :mod:`isoexec.rl.skyrl.driver`); this loop is
 the light driver of the tests and of side-by-side timings, for the ``hf`` and ``unified`` trainers
@@ -18,7 +19,8 @@ Each step, in this order (timed with ``time.perf_counter``):
 4. ``time/train``: advantages, then ``rl.mini_batches`` optimizer updates, both SkyRL's
    (:mod:`isoexec.rl.skyrl.algorithm`: the estimator and policy loss named by the ``rl`` section, with
    its loss reduction), the loss ratio being ``exp(logp_new - lT)`` (the trainer's own old logprobs;
-   the rollout ratio is a metric); the learning rate rises linearly to ``rl.lr`` over the first
+   the rollout ratio is a metric, and an arm with an off-policy correction hands it to SkyRL's loss,
+   which reweights or masks by it); the learning rate rises linearly to ``rl.lr`` over the first
    ``rl.warmup_updates`` updates.
 5. ``time/weight_sync``: the trainer's compute-dtype weights (bf16 rounded from the fp32 masters)
    go to the engine (isoexec: contract handshake, checksums).
@@ -41,6 +43,7 @@ from isoexec.config import ExperimentConfig
 from isoexec.io import atomic_write_json
 from isoexec.provenance import provenance
 from isoexec.rl import metrics
+from isoexec.rl.arms import Arm, find_arm
 from isoexec.rl.batch import build_batch, token_logprobs
 from isoexec.engines.base import Engine
 from isoexec.engines.weight_sync import check_weights_at_load, state_checksums
@@ -75,8 +78,11 @@ def kl_positions(n_tokens: int, k: int, seed: int, step: int) -> torch.Tensor:
 
 
 def rl_step(policy: Policy, engine: Engine, optimizer: MasterAdamW, tok, problems: list[Example],
-            config: ExperimentConfig, seed: int, step: int) -> dict[str, Any]:
-    """One synchronous RL step; returns its metrics row (without ``step``/``mode``/``seed``)."""
+            config: ExperimentConfig, seed: int, step: int, arm: Arm | None = None) -> dict[str, Any]:
+    """One synchronous RL step; returns its metrics row (without ``step``/``arm``/``mode``/``seed``).
+
+    ``arm``: its off-policy correction enters SkyRL's policy loss (None: none).
+    """
     rl = config.rl
     t_step = time.perf_counter()
 
@@ -121,10 +127,10 @@ def rl_step(policy: Policy, engine: Engine, optimizer: MasterAdamW, tok, problem
     # imported here: the engine actor imports this module's seeds and must never import skyrl
     from isoexec.rl.skyrl.algorithm import algorithm_config, policy_loss, sequence_advantages
 
-    alg = algorithm_config(config)
+    alg = algorithm_config(config, arm)
     adv = sequence_advantages(rewards, alg)  # [B] per sequence
     row["groups_used"] = len(problems)
-    losses, norms, clip_fracs = [], [], []
+    losses, norms, clip_fracs, corrections = [], [], [], []
     per_mb = len(problems) // rl.mini_batches  # contiguous slices of whole groups, as SkyRL's mini-batches
     for mb in range(rl.mini_batches):
         seqs = list(range(mb * per_mb * rl.group_size, (mb + 1) * per_mb * rl.group_size))
@@ -140,10 +146,12 @@ def rl_step(policy: Policy, engine: Engine, optimizer: MasterAdamW, tok, problem
         norms.append(optimizer.step())
         losses.append(float(loss.detach()))
         clip_fracs.append(stats["clip_ratio"])
+        corrections.append(metrics.correction_metrics(stats))
     t_train = time.perf_counter() - t0
     row["loss"] = sum(losses) / len(losses) if losses else 0.0
     row["grad_norm"] = sum(norms) / len(norms) if norms else 0.0
     row["clip_frac"] = sum(clip_fracs) / len(clip_fracs) if clip_fracs else 0.0
+    row.update({k: sum(c[k] for c in corrections) / len(corrections) for k in metrics.CORRECTION_METRICS})
 
     # 5. weight sync
     t0 = time.perf_counter()
@@ -155,12 +163,14 @@ def rl_step(policy: Policy, engine: Engine, optimizer: MasterAdamW, tok, problem
     return row
 
 
-def run_rl(config: ExperimentConfig, mode: str, seed: int, init_dir: str | Path, out_dir: str | Path,
+def run_rl(config: ExperimentConfig, arm: str, seed: int, init_dir: str | Path, out_dir: str | Path,
            steps: int | None = None, engine: Engine | None = None, policy: Policy | None = None,
            command: str | None = None) -> list[dict[str, Any]]:
-    """A paired-run half: ``steps`` (default ``rl.steps``) RL steps of ``mode`` from ``init_dir``.
+    """One run of a paired experiment: ``steps`` (default ``rl.steps``) RL steps of ``arm`` from ``init_dir``.
 
     Args:
+        arm: an arm of the experiment (:func:`isoexec.rl.arms.arms`: a mode, or an ``arms`` entry, which
+            runs its mode's engine and trainer with its off-policy correction).
         engine, policy: injected implementations (tests); default the vLLM engine and the trainer of
             ``mode`` (:func:`isoexec.engines.factory.load_engine`, :func:`isoexec.trainer.factory.load_trainer`),
             both from ``init_dir``.
@@ -174,6 +184,8 @@ def run_rl(config: ExperimentConfig, mode: str, seed: int, init_dir: str | Path,
             load (before any step), naming the tensors.
     """
     rl = config.rl
+    the_arm = find_arm(config, arm)
+    mode = the_arm.mode
     if mode == "isoexec" and rl.temperature != config.kernels.temperature:
         raise ValueError(f"rl.temperature={rl.temperature} differs from the contract's kernels.temperature="
                          f"{config.kernels.temperature}")
@@ -203,7 +215,7 @@ def run_rl(config: ExperimentConfig, mode: str, seed: int, init_dir: str | Path,
 
         engine = load_engine(config, mode, init_dir, seed=seed)
     prov = provenance(command)
-    prov["run"] = {"mode": mode, "seed": seed, "init": str(init_dir), "steps": steps or rl.steps,
+    prov["run"] = {"arm": arm, "mode": mode, "seed": seed, "init": str(init_dir), "steps": steps or rl.steps,
                    "engine": type(engine).__name__, "trainer": type(policy).__name__,
                    "torch_num_threads": torch.get_num_threads()}
     prov["weights_at_load"] = check_weights_at_load(engine.load_checksums, state_checksums(sync_state(policy)))
@@ -211,10 +223,10 @@ def run_rl(config: ExperimentConfig, mode: str, seed: int, init_dir: str | Path,
     mlog = metrics.MetricsLog(out_dir / "metrics.jsonl")
     for step in range(steps if steps is not None else rl.steps):
         problems = step_prompts(train, seed, step, rl.prompts_per_step)
-        row = rl_step(policy, engine, optimizer, tok, problems, config, seed, step)
-        mlog.append({"step": step, "mode": mode, "seed": seed, **row})
+        row = rl_step(policy, engine, optimizer, tok, problems, config, seed, step, the_arm)
+        mlog.append({"step": step, "arm": arm, "mode": mode, "seed": seed, **row})
         log.info("%s seed %d step %d: reward %.3f mismatch %d/%d max|d| %.3g crossing C %d/%d step %.2fs "
-                 "(gen %.2f score %.2f train %.2f sync %.2f)", mode, seed, step, row["reward_mean"],
+                 "(gen %.2f score %.2f train %.2f sync %.2f)", arm, seed, step, row["reward_mean"],
                  row["mismatch_count"], row["tokens"], row["logprob_abs_diff_max"], row["seqs_cross_chunk"],
                  row["seqs"], row["time/step"], row["time/generation"], row["time/score"], row["time/train"],
                  row["time/weight_sync"])

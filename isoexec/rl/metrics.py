@@ -14,6 +14,8 @@ token, both float32; ``d_t = lT_t - lR_t``.
 - ``is_ratio_clip_frac``: fraction of tokens whose ``exp(d_t)`` lies outside the policy loss's clip
   range ``[1 - clip_low, 1 + clip_high]`` (:func:`is_ratio_clip_frac`): the share of the batch that
   a loss using the rollout logprobs as its old policy would clip before any update.
+- ``tis_capped_frac``, ``correction_masked_frac``: what an arm's off-policy correction did
+  (:func:`correction_metrics`; NaN for an arm without one).
 - ``full_vocab_kl``: mean over sampled positions of ``sum_v p_R(v) (log p_R(v) - log p_T(v))``.
 - ``entropy_mean``: mean over response positions of the trainer's full-vocabulary entropy.
 - ``pass_at_k``: mean over prompts of the unbiased estimator ``1 - C(n-c, k) / C(n, k)`` (n samples,
@@ -102,6 +104,28 @@ def is_ratio_clip_frac(rollout_logprobs: torch.Tensor, trainer_logprobs: torch.T
         return NAN
     r = torch.exp(trainer_logprobs.double() - rollout_logprobs.double())
     return float(((r < 1.0 - clip_low) | (r > 1.0 + clip_high)).double().mean())
+
+
+CORRECTION_METRICS = {
+    "tis_capped_frac": ("tis_token_clip_high_ratio", "tis_seq_clip_high_ratio"),
+    "correction_masked_frac": ("geo_sequence_mask_masked_ratio", "product_sequence_mask_masked_ratio"),
+}
+"""Row key -> the names SkyRL's off-policy correction reports it under (``off_policy_correction_utils.py``)."""
+
+
+def correction_metrics(loss_metrics: dict[str, float]) -> dict[str, float]:
+    """What an arm's off-policy correction did in a mini-batch, from its policy loss's metrics.
+
+    Args:
+        loss_metrics: the metrics SkyRL's policy loss returns (without a prefix).
+
+    Returns:
+        ``tis_capped_frac``: share of tokens (token TIS) or sequences (sequence TIS) whose TIS weight hit
+        its cap; ``correction_masked_frac``: share of sequences dropped by sequence masking. NaN where the
+        arm has no such correction (a mode's own arm: both).
+    """
+    return {key: next((float(loss_metrics[n]) for n in names if n in loss_metrics), NAN)
+            for key, names in CORRECTION_METRICS.items()}
 
 
 def exposure_metrics(prompt_lens: list[int], response_lens: list[int], chunk_size: int,

@@ -10,6 +10,7 @@ import shutil
 from isoexec.allocator import with_tcmalloc
 from isoexec.cli import error_line
 from isoexec.config import load_config
+from isoexec.rl.arms import arm_names
 from isoexec.settings import RECORD, settings_conflict, write_record
 
 DEFAULT_CONFIGFILE = "experiments/cpu-tiny.yaml"
@@ -71,9 +72,9 @@ def settings_digest(*sections):
 
 
 def run_selection():
-    """--mode/--seed options restricting the report to this config's runs (stale runs are ignored)."""
+    """--arm/--seed options restricting the report to this config's runs (stale runs are ignored)."""
     return " ".join(
-        [f"--mode {m}" for m in CFG.rl.modes] + [f"--seed {s}" for s in CFG.rl.seeds]
+        [f"--arm {a}" for a in ARMS] + [f"--seed {s}" for s in CFG.rl.seeds]
     )
 
 
@@ -85,9 +86,10 @@ SETTINGS = f"{RES}/{RECORD}"  # the validated config these results were made wit
 RUNS = f"runs/{EXP}"  # models and checkpoints, not committed
 LOGS = f"logs/{EXP}"
 BENCH = f"{RES}/benchmarks"
+ARMS = arm_names(CFG)  # rl.modes, then the arms section (isoexec.rl.arms)
 RL_METRICS = expand(
-    f"{RES}/rl/{{mode}}/seed{{seed}}/metrics.jsonl",
-    mode=CFG.rl.modes,
+    f"{RES}/rl/{{arm}}/seed{{seed}}/metrics.jsonl",
+    arm=ARMS,
     seed=CFG.rl.seeds,
 )
 TABLES = [f"{RES}/tables/summary.{ext}" for ext in ("csv", "md", "tex")]

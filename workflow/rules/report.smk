@@ -2,8 +2,9 @@
 
 
 rule report_tables:
-    """main.{csv,md,tex} (the compact table), summary.* (one row per mode, every column), per_seed.*,
-    comparison.md, with provenance."""
+    """main.{csv,md,tex} (the compact table), summary.* (one row per arm, every column), per_seed.*,
+    timing.* (per arm and phase, with spreads and intervals), comparison.md, with provenance.
+    """
     input:
         RL_METRICS,
     output:
@@ -22,6 +23,7 @@ rule report_tables:
         ),
         comparison=f"{RES}/tables/comparison.md",
         main=expand(f"{RES}/tables/main.{{ext}}", ext=("csv", "md", "tex")),
+        timing=expand(f"{RES}/tables/timing.{{ext}}", ext=("csv", "md", "tex")),
     log:
         f"{LOGS}/report_tables.log",
     conda:

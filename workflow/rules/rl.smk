@@ -1,26 +1,32 @@
-# Paired RL runs (docs/design.md, The experiments): one job per mode x seed, all from the same SFT checkpoint.
-# Each job takes every core, so timed runs never share the machine (the overheads stay honest).
+# Paired RL runs (docs/design.md, The experiments): every arm (the modes and the arms section: isoexec.rl.arms) and seed,
+# all from the same SFT checkpoint, in ONE job: `isoexec rl paired` runs each seed's arms back to back,
+# their order turned by one place per seed (seed 0: native isoexec native-tis; seed 1: isoexec
+# native-tis native; ...), so that a drift of the machine lands on every arm of a seed alike and the
+# paired overheads cancel it. The runs share Ray, the engine actors and the trainer workers (the
+# start-up is paid once, not per run). The job takes every core, so timed runs never share the machine.
+# An interrupted job reruns every run.
 
 
-rule rl_train:
-    """GRPO/DAPO for rl.steps steps in one mode and seed; per-step metrics and provenance."""
+rule rl_paired:
+    """GRPO/DAPO for rl.steps steps of every arm and seed, interleaved; per-step metrics and provenance."""
     input:
         init=f"{RUNS}/model/sft",
     output:
-        metrics=f"{RES}/rl/{{mode}}/seed{{seed}}/metrics.jsonl",
-        provenance=f"{RES}/rl/{{mode}}/seed{{seed}}/provenance.json",
+        metrics=RL_METRICS,
+        provenance=[p.replace("metrics.jsonl", "provenance.json") for p in RL_METRICS],
     log:
-        f"{LOGS}/rl/{{mode}}/seed{{seed}}.log",
+        f"{LOGS}/rl/paired.log",
     benchmark:
-        f"{BENCH}/rl_{{mode}}_seed{{seed}}.tsv"
+        f"{BENCH}/rl_paired.tsv"
     conda:
         "../envs/isoexec.yaml"
     threads: ALL_CORES
     params:
-        out=lambda wildcards, output: os.path.dirname(output.metrics),
+        out=lambda wildcards, output: os.path.dirname(
+            os.path.dirname(os.path.dirname(output.metrics[0]))
+        ),
         settings=settings_digest(
-            "device", "model", "kernels", "task", "rl", "trainer", "engine"
+            "device", "model", "kernels", "task", "rl", "trainer", "engine", "arms"
         ),
     shell:
-        'isoexec rl train --config "$ISOEXEC_EXPERIMENT" --mode {wildcards.mode} --seed {wildcards.seed}'
-        " --init {input.init} --out {params.out} > {log} 2>&1"
+        'isoexec rl paired --config "$ISOEXEC_EXPERIMENT" --init {input.init} --out {params.out} > {log} 2>&1'

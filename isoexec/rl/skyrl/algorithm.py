@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from isoexec.config import ExperimentConfig
+from isoexec.rl.arms import Arm
 from isoexec.rl.skyrl import compat
 
 compat.install()  # before the first skyrl import (compat item 1)
@@ -28,14 +29,15 @@ from skyrl.train.config.config import AlgorithmConfig  # noqa: E402
 PREFIX = "trainer.algorithm."
 
 
-def algorithm_config(exp: ExperimentConfig) -> AlgorithmConfig:
-    """SkyRL's ``AlgorithmConfig`` of the experiment (the ``trainer.algorithm.*`` overrides the driver renders)."""
+def algorithm_config(exp: ExperimentConfig, arm: Arm | None = None) -> AlgorithmConfig:
+    """SkyRL's ``AlgorithmConfig`` of the experiment and arm (the ``trainer.algorithm.*`` overrides the driver
+    renders; ``arm``: its off-policy correction, :meth:`isoexec.rl.arms.Arm.skyrl_overrides`)."""
     from omegaconf import OmegaConf
 
     from isoexec.rl.skyrl.render import algorithm_overrides
 
     nested: dict = {}
-    for key, value in algorithm_overrides(exp).items():
+    for key, value in {**algorithm_overrides(exp), **(arm.skyrl_overrides() if arm else {})}.items():
         if key.startswith(PREFIX):
             *parents, leaf = key[len(PREFIX):].split(".")
             d = nested
@@ -75,7 +77,8 @@ def policy_loss(logp: torch.Tensor, old: torch.Tensor, advantages: torch.Tensor,
         cfg: from :func:`algorithm_config`.
 
     Returns:
-        ``(loss, metrics)`` as SkyRL's loss returns them (``metrics["clip_ratio"]`` for ``regular``).
+        ``(loss, metrics)`` as SkyRL's loss returns them (``metrics["clip_ratio"]`` for ``regular``; with an
+        off-policy correction in ``cfg`` also its statistics, e.g. ``tis_token_clip_high_ratio``).
     """
     scaled = apply_loss_reduction_to_advantages_minibatch(advantages, mask, cfg.loss_reduction,
                                                           micro_batch_size=len(advantages), max_seq_len=mask.shape[1])

@@ -1,4 +1,4 @@
-"""One paired-run half (mode, seed) through SkyRL's ``RayPPOTrainer``, with Ray started locally.
+"""Runs (arm, seed) of a paired experiment through SkyRL's ``RayPPOTrainer``, with Ray started locally.
 
 Pieces, all plugged into SkyRL's extension points (no SkyRL file is edited):
 
@@ -21,6 +21,17 @@ Pieces, all plugged into SkyRL's extension points (no SkyRL file is edited):
   after SkyRL's policy forward), and :class:`MetricsCallback` (a SkyRL ``TrainingCallback``) writing
   one ``metrics.jsonl`` row per step under the plain loop's names (:mod:`isoexec.rl.metrics`).
 
+- :class:`Session`: Ray, the engine actors and the policy worker group of a series of runs in one
+  process (the paired job, :func:`run_paired`), started by the first run and kept by the later ones:
+  each engine actor switches its engine only when the run's mode or engine settings differ
+  (:meth:`~isoexec.rl.skyrl.engine_actor.EngineActor.restart`), and each worker rebuilds its trainer and
+  optimizer from the run's checkpoint under the run's SkyRL config (:meth:`IsoExecPPOTrainer.reuse_models`).
+  A run's start-up is then a trainer rebuild and, at a mode switch, an engine rebuild, instead of Ray,
+  five processes and their imports (about 45 s per run on the 2-core CPU machines). Every run starts
+  from the same state either way: the engines get the trainer's weights before the first step
+  (SkyRL's initial sync) and reseed their sampler at every call, the trainer is rebuilt from the
+  checkpoint with a new optimizer.
+
 Timing names: ``time/generation`` = SkyRL ``generate``; ``time/score`` = ``fwd_logprobs_values_reward``
 (the pre-update ``trainer_score``); ``time/train`` = ``compute_advantages_and_returns`` +
 ``train_critic_and_policy``; ``time/weight_sync`` = ``sync_weights`` (contract handshake, transfer,
@@ -31,9 +42,11 @@ times; SkyRL's timers then keep the last generation's time.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -46,12 +59,14 @@ from isoexec.engines.weight_sync import check_weights_at_load
 from isoexec.io import atomic_write_json
 from isoexec.provenance import provenance
 from isoexec.rl import metrics
+from isoexec.rl.arms import Arm, find_arm, schedule
 from isoexec.rl.skyrl import compat
 
 compat.install()  # before the first skyrl import (compat item 1)
 compat.filter_sampling_keeps_sampling_on_uninformative_batches()  # compat item 4
 
 import ray  # noqa: E402
+from skyrl.backends.skyrl_train.workers.worker_dispatch import WorkerDispatch  # noqa: E402
 from skyrl.train.entrypoints.main_base import BasePPOExp  # noqa: E402
 from skyrl.train.dataset import PromptDataset  # noqa: E402
 from skyrl.train.trainer import RayPPOTrainer  # noqa: E402
@@ -134,6 +149,25 @@ class IsoExecPPOTrainer(RayPPOTrainer):
         self.isoexec_row.update(row)
         return training_input
 
+    def reuse_models(self, group) -> None:
+        """What ``build_models`` does, on the policy worker group of an earlier run of the session.
+
+        ``RayPPOTrainer.build_models`` always starts a new group (``PPORayActorGroup``, whose ranks import
+        SkyRL, Megatron and torch in fresh processes); SkyRL has no call for taking a running one. Here each
+        rank first takes this run's SkyRL config (:meth:`IsoExecPolicyWorker.isoexec_begin_run`: mode,
+        algorithm, off-policy correction), then ``init_model`` rebuilds its trainer and optimizer from the
+        checkpoint and the pad token is set, as ``build_models`` does; the dispatch is SkyRL's
+        ``WorkerDispatch`` over the group. No critic, no reference model (as :meth:`IsoExecPPOExp.run`).
+        """
+        trainer_cfg = self.cfg.trainer
+        group.cfg = trainer_cfg
+        ray.get(group.async_run_ray_method("pass_through", "isoexec_begin_run", trainer_cfg))
+        ray.get(group.async_init_model(trainer_cfg.policy.model.path))
+        ray.get(group.async_run_ray_method("pass_through", "_set_pad_token_id", self.tokenizer.pad_token_id))
+        self.policy_model, self.critic_model, self.ref_model = group, None, None
+        self.dispatch = WorkerDispatch(cfg=self.cfg, policy_actor_group=group,
+                                       inference_engine_client=self.inference_engine_client)
+
 
 def kl_positions(n_tokens: int, k: int, seed: int, step: int) -> torch.Tensor:
     """The plain loop's ``full_vocab_kl`` positions for (seed, step)."""
@@ -145,22 +179,25 @@ def kl_positions(n_tokens: int, k: int, seed: int, step: int) -> torch.Tensor:
 class MetricsCallback(TrainingCallback):
     """Writes one ``metrics.jsonl`` row per step (plain-loop names) from SkyRL's ``on_log`` payload."""
 
-    def __init__(self, path: Path, mode: str, seed: int):
+    def __init__(self, path: Path, arm: Arm, seed: int):
         self.log = metrics.MetricsLog(path)
-        self.mode, self.seed = mode, seed
+        self.arm, self.seed = arm, seed
 
     def on_log(self, trainer, callback_input, control) -> None:
         logs = callback_input.logs
-        row: dict[str, Any] = {"step": callback_input.global_step - 1, "mode": self.mode, "seed": self.seed}
+        row: dict[str, Any] = {"step": callback_input.global_step - 1, "arm": self.arm.name, "mode": self.arm.mode,
+                               "seed": self.seed}
         row.update(trainer.isoexec_row)
         row["loss"] = logs.get("policy/final_loss", metrics.NAN)
         row["grad_norm"] = logs.get("policy/grad_norm", metrics.NAN)
         row["clip_frac"] = logs.get("policy/loss_metrics/clip_ratio", metrics.NAN)
+        prefix = "policy/loss_metrics/"
+        row.update(metrics.correction_metrics({k[len(prefix):]: v for k, v in logs.items() if k.startswith(prefix)}))
         for name, keys in TIMERS.items():
             row[name] = sum(float(logs.get(f"timing/{k}", 0.0)) for k in keys)
         self.log.append(row)
         log.info("%s seed %d step %d: reward %.3f mismatch %d/%d max|d| %.3g step %.2fs (gen %.2f score %.2f "
-                 "train %.2f sync %.2f)", self.mode, self.seed, row["step"], row["reward_mean"],
+                 "train %.2f sync %.2f)", self.arm.name, self.seed, row["step"], row["reward_mean"],
                  row["mismatch_count"], row["tokens"], row["logprob_abs_diff_max"], row["time/step"],
                  row["time/generation"], row["time/score"], row["time/train"], row["time/weight_sync"])
 
@@ -170,19 +207,19 @@ class IsoExecPPOExp(BasePPOExp):
 
     Args:
         cfg: SkyRL config from :func:`isoexec.rl.skyrl.render.build`.
-        exp, mode, seed: the isoexec experiment and the half of the pair.
+        exp, arm, seed: the isoexec experiment, the arm and the seed of this run.
         metrics_path: the ``metrics.jsonl`` to write.
+        session: the :class:`Session` whose engine actors and worker group the run takes (or starts).
         engine_exp: the experiment as the engine sees it (default ``exp``; tests pass another one to
             check that the contract handshake refuses the run).
-        threads: torch threads of the engine process.
     """
 
-    def __init__(self, cfg, exp: ExperimentConfig, mode: str, seed: int, metrics_path: Path,
-                 engine_exp: ExperimentConfig | None = None, threads: int = 1,
+    def __init__(self, cfg, exp: ExperimentConfig, arm: Arm, seed: int, metrics_path: Path, session: "Session",
+                 engine_exp: ExperimentConfig | None = None,
                  on_load: Callable[[dict[str, Any]], None] | None = None):
-        self.exp, self.mode, self.seed, self.metrics_path = exp, mode, seed, metrics_path
+        self.exp, self.arm, self.seed, self.metrics_path = exp, arm, seed, metrics_path
+        self.session = session
         self.engine_exp = engine_exp or exp
-        self.threads = threads
         self.on_load = on_load
         super().__init__(cfg)
 
@@ -191,12 +228,10 @@ class IsoExecPPOExp(BasePPOExp):
                              max_prompt_length=self.cfg.trainer.max_prompt_length, num_workers=1)
 
     def get_inference_client(self) -> IsoExecInferenceClient:
-        """Starts the engine actors without waiting for them: they load while the trainer's workers
-        start, and :meth:`run` waits for both before the first step."""
+        """The session's engine actors, (re)started for this run without waiting for them: they load while
+        the trainer's workers start, and :meth:`run` waits for both before the first step."""
         path = self.cfg.trainer.policy.model.path
-        actors = [ray.remote(num_cpus=0)(EngineActor).remote(
-            path, self.mode, self.engine_exp.model_dump_json(), self.seed, True, self.threads, shard)
-            for shard in range(self.exp.engine.num_engines)]
+        actors = self.session.engines(path, self.arm.mode, self.engine_exp, self.seed)
         return IsoExecInferenceClient(actors, path, path)
 
     def get_trainer(self, cfg, tracker, tokenizer, train_dataset, eval_dataset, inference_engine_client,
@@ -206,18 +241,22 @@ class IsoExecPPOExp(BasePPOExp):
                                  generator=generator, colocate_pg=colocate_pg, exp=self.exp, seed=self.seed)
 
     def run(self) -> IsoExecPPOTrainer:
-        """Build (hooks + isoexec's worker) and train; returns the trainer."""
+        """Build (hooks + isoexec's worker, or the session's group) and train; returns the trainer."""
         register()
         tracker = self.get_tracker()
         client = self.get_inference_client()
         generator = self.get_generator(self.cfg, self.tokenizer, client)
         trainer = self.get_trainer(self.cfg, tracker, self.tokenizer, self.train_dataset, self.eval_dataset,
                                    client, generator, self.colocate_pg)
-        self.metrics = MetricsCallback(self.metrics_path, self.mode, self.seed)
+        self.metrics = MetricsCallback(self.metrics_path, self.arm, self.seed)
         trainer.add_callback(self.metrics)
         self.trainer = trainer
-        trainer.build_models(ray.remote(IsoExecPolicyWorker), None, None)
-        engines = ray.get([a.info.remote() for a in client.actors])  # the engines are up (or their error surfaces)
+        if self.session.group is None:
+            trainer.build_models(ray.remote(IsoExecPolicyWorker), None, None)
+            self.session.group = trainer.policy_model
+        else:
+            trainer.reuse_models(self.session.group)
+        engines = self.session.engines_ready()  # the engines are up (or an engine's error surfaces here)
         infos = trainer.policy_model.actor_infos  # every rank joins the gather; rank 0's copy is compared
         held = ray.get([a.handle.isoexec_load_checksums.remote() for a in infos])
         trained = next(h for a, h in zip(infos, held) if a.rank.is_collection_dp_rank())
@@ -228,17 +267,147 @@ class IsoExecPPOExp(BasePPOExp):
         return trainer
 
 
-def run_skyrl(config: ExperimentConfig, mode: str, seed: int, init_dir: str | Path, out_dir: str | Path,
+class Session:
+    """Ray, the engine actors and the policy worker group shared by a series of runs in this process.
+
+    Args:
+        config: the experiment; its trainer world size (the same for every run of the session, see
+            :meth:`fits`) sizes Ray's logical GPUs.
+        mode: the mode whose trainer world size the session's worker group has.
+        threads: torch threads of the engine and trainer processes.
+
+    Starts Ray locally (``max(2, world)`` CPUs, one GPU per trainer rank: logical on a CPU host, and on a CUDA
+    host every actor sees the node's GPUs, :data:`~isoexec.rl.skyrl.compat.CUDA_ACTOR_ENV`; :mod:`~isoexec.rl.skyrl.compat`)
+    unless Ray is already initialized; :meth:`close` ends the actors, and Ray if the session started it.
+    """
+
+    def __init__(self, config: ExperimentConfig, mode: str, threads: int = 1):
+        self.world = config.trainer.world_size(mode)
+        self.threads = threads
+        self.group = None  # SkyRL's PPORayActorGroup of IsoExecPolicyWorker, from the first run
+        self.runs = 0  # runs started so far (each run's provenance records its index as session_run)
+        self._engines: list = []
+        self._engine_key: tuple | None = None
+        self._pending: list = []
+        self.started_ray = not ray.is_initialized()
+        if self.started_ray:
+            env = {k: os.environ[k] for k in ("PYTHONPATH", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE",
+                                              "VLLM_CPU_KVCACHE_SPACE", "VLLM_ENABLE_V1_MULTIPROCESSING", "LD_PRELOAD")
+                   if k in os.environ}
+            if config.device == "cuda":
+                env.update(compat.CUDA_ACTOR_ENV)
+            ray.init(**compat.ray_init_kwargs(num_cpus=max(2, self.world), num_trainer_gpus=self.world, env_vars=env))
+
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def fits(self, config: ExperimentConfig, mode: str) -> bool:
+        """Whether a run of ``mode`` can take this session's worker group (same trainer world size)."""
+        return config.trainer.world_size(mode) == self.world
+
+    def engines(self, checkpoint: str, mode: str, engine_exp: ExperimentConfig, seed: int) -> list:
+        """``engine.num_engines`` engine actors on ``checkpoint`` in ``mode`` for a run of ``seed``: the
+        session's, restarted (:meth:`EngineActor.restart`), or new ones where there are none or they run
+        another checkpoint or another number of engines. Does not wait; :meth:`engines_ready` does."""
+        n = engine_exp.engine.num_engines
+        config_json = engine_exp.model_dump_json()
+        if self._engine_key == (checkpoint, n):
+            self._pending = [a.restart.remote(mode, config_json, seed) for a in self._engines]
+        else:
+            self._end_engines()
+            self._engines = [ray.remote(num_cpus=0)(EngineActor).remote(
+                checkpoint, mode, config_json, seed, True, self.threads, shard) for shard in range(n)]
+            self._engine_key = (checkpoint, n)
+            self._pending = []
+        return list(self._engines)
+
+    def engines_ready(self) -> list[dict[str, Any]]:
+        """Wait until the engines started or restarted by :meth:`engines` are up (raises an engine's error);
+        returns each engine's :meth:`EngineActor.info`. An engine kept from an earlier run reports the
+        checksums of its load of the same checkpoint (the session keeps engines only on one checkpoint);
+        what it holds since is replaced by the run's first checked weight sync, before any generation."""
+        pending, self._pending = self._pending, []
+        ray.get(pending)
+        return ray.get([a.info.remote() for a in self._engines])
+
+    def run(self, config: ExperimentConfig, arm: Arm, seed: int, init_dir: str | Path, out_dir: Path, steps: int,
+            command: str | None = None, engine_config: ExperimentConfig | None = None) -> list[dict[str, Any]]:
+        """One run (``arm``, ``seed``) of ``steps`` steps; writes ``out_dir/{provenance.json,metrics.jsonl}``
+        (the provenance again at the end, with the run's ``wall_s`` and ``outside_steps_s``: its seconds
+        outside the steps, i.e. start-up and the first weight sync).
+
+        Raises:
+            ValueError: the run's trainer world size is not the session's (:meth:`fits`).
+            isoexec.contract.ContractMismatch: isoexec mode, the engine's and the trainer's contracts
+                differ (raised at the first weight sync, before training; surfaced through Ray).
+            isoexec.engines.weight_sync.WeightSyncError: an engine and the trainer hold different weights at
+                load (before the first step; ``provenance.json`` records both sides' checksums when they agree,
+                under ``weights_at_load``).
+        """
+        if not self.fits(config, arm.mode):
+            raise ValueError(f"arm {arm.name} trains on {config.trainer.world_size(arm.mode)} ranks, this session's "
+                             f"worker group has {self.world}: run it in a session of its own")
+        out_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(prefix="isoexec-skyrl-") as scratch:
+            data = write_train_data(config.task, Path(scratch) / "train.parquet")
+            overrides = {**local_overrides(config, arm.mode, seed, init_dir, data, scratch, steps, self.threads),
+                         **arm.skyrl_overrides(), "trainer.run_name": f"{config.name}-{arm.name}-seed{seed}"}
+            cfg = build(overrides)
+            prov = provenance(command)
+            prov["run"] = {"arm": arm.name, "mode": arm.mode, "seed": seed, "init": str(init_dir), "steps": steps,
+                           "driver": "skyrl", "engine": "EngineActor(RolloutEngine)",
+                           "engines": config.engine.num_engines, "trainer": "IsoExecPolicyWorker",
+                           "torch_num_threads": self.threads, "session_run": self.runs}
+            prov["skyrl_overrides"] = {k: v for k, v in overrides.items() if k != "trainer.policy.model_config_kwargs"}
+            atomic_write_json(out_dir / "provenance.json", prov)
+            self.runs += 1
+            t0 = time.perf_counter()
+
+            def weights_at_load(res: dict[str, Any]) -> None:  # the load-time weight handshake passed: record it
+                prov["weights_at_load"] = res
+                atomic_write_json(out_dir / "provenance.json", prov)
+
+            exp = IsoExecPPOExp(cfg, config, arm, seed, out_dir / "metrics.jsonl", self, engine_exp=engine_config,
+                                on_load=weights_at_load)
+            exp.run()
+            rows = exp.metrics.log.rows
+            # the run's wall time and what of it lies outside its steps (start-up: processes or rebuilds, the
+            # first sync), written when the run ends
+            wall = time.perf_counter() - t0
+            prov["run"].update(wall_s=wall, outside_steps_s=wall - sum(r["time/step"] for r in rows))
+            atomic_write_json(out_dir / "provenance.json", prov)
+            return rows
+
+    def _end_engines(self) -> None:
+        for a in self._engines:
+            ray.kill(a)
+        self._engines, self._engine_key, self._pending = [], None, []
+
+    def close(self) -> None:
+        """End the engine actors and the worker group, and Ray if the session started it."""
+        self._end_engines()
+        if self.group is not None:
+            for a in self.group._actor_handlers:
+                ray.kill(a)
+            self.group = None
+        gc.collect()
+        if self.started_ray:
+            ray.shutdown()
+
+
+def run_skyrl(config: ExperimentConfig, arm: str, seed: int, init_dir: str | Path, out_dir: str | Path,
               steps: int | None = None, command: str | None = None, threads: int = 1,
               engine_config: ExperimentConfig | None = None) -> list[dict[str, Any]]:
-    """A paired-run half through SkyRL; same outputs as :func:`isoexec.rl.loop.run_rl`.
+    """One run (arm, seed) through SkyRL in a :class:`Session` of its own; same outputs as
+    :func:`isoexec.rl.loop.run_rl`.
 
-    Starts Ray locally (max(2, trainer ranks) CPUs, one GPU per trainer rank: logical on a CPU host, and on a
-    CUDA host every actor sees the node's GPUs, :data:`~isoexec.rl.skyrl.compat.CUDA_ACTOR_ENV`) unless Ray is
-    already initialized; the task's parquet lives in a temporary directory for the run.
     Writes ``out_dir/provenance.json`` (with the rendered SkyRL overrides) and ``out_dir/metrics.jsonl``.
 
     Args:
+        arm: an arm of the experiment (:func:`isoexec.rl.arms.arms`).
         engine_config: the experiment as the engine sees it (default ``config``); differs only in
             tests of the handshake.
 
@@ -246,52 +415,36 @@ def run_skyrl(config: ExperimentConfig, mode: str, seed: int, init_dir: str | Pa
         The metrics rows.
 
     Raises:
-        isoexec.contract.ContractMismatch: isoexec mode, the engine's and the trainer's contracts
-            differ (raised at the first weight sync, before training; surfaced through Ray).
-        isoexec.engines.weight_sync.WeightSyncError: an engine and the trainer hold different weights at
-            load (before the first step; ``provenance.json`` records both sides' checksums when they agree,
-            under ``weights_at_load``).
+        ValueError: ``arm`` is not an arm of the experiment.
+        isoexec.contract.ContractMismatch, isoexec.engines.weight_sync.WeightSyncError: see :meth:`Session.run`.
     """
-    if mode not in ("native", "isoexec"):
-        raise ValueError(f"mode must be 'native' or 'isoexec', got {mode!r}")
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    steps = config.rl.steps if steps is None else steps
-    with tempfile.TemporaryDirectory(prefix="isoexec-skyrl-") as scratch:
-        return _run(config, mode, seed, init_dir, out_dir, steps, command, threads, engine_config, Path(scratch))
+    the_arm = find_arm(config, arm)
+    with Session(config, the_arm.mode, threads) as session:
+        return session.run(config, the_arm, seed, init_dir, Path(out_dir), config.rl.steps if steps is None else steps,
+                           command, engine_config)
 
 
-def _run(config, mode, seed, init_dir, out_dir, steps, command, threads, engine_config, scratch: Path):
-    data = write_train_data(config.task, scratch / "train.parquet")
-    overrides = local_overrides(config, mode, seed, init_dir, data, scratch, steps, threads)
-    cfg = build(overrides)
-    prov = provenance(command)
-    prov["run"] = {"mode": mode, "seed": seed, "init": str(init_dir), "steps": steps, "driver": "skyrl",
-                   "engine": "EngineActor(RolloutEngine)", "engines": config.engine.num_engines,
-                   "trainer": "IsoExecPolicyWorker",
-                   "torch_num_threads": threads}
-    prov["skyrl_overrides"] = {k: v for k, v in overrides.items() if k != "trainer.policy.model_config_kwargs"}
-    atomic_write_json(out_dir / "provenance.json", prov)
+def run_paired(config: ExperimentConfig, init_dir: str | Path, rl_dir: str | Path, steps: int | None = None,
+               command: str | None = None, threads: int = 1) -> dict[tuple[str, int], list[dict[str, Any]]]:
+    """Every (arm, seed) of the experiment in :func:`isoexec.rl.arms.schedule`'s order, in this process.
 
-    def weights_at_load(res: dict[str, Any]) -> None:  # the load-time weight handshake passed: record it
-        prov["weights_at_load"] = res
-        atomic_write_json(out_dir / "provenance.json", prov)
+    The runs share one :class:`Session` (a run whose trainer world size differs from the session's
+    starts a new one). Each run writes ``rl_dir/<arm>/seed<k>/{metrics.jsonl,provenance.json}``.
 
-    started = not ray.is_initialized()
-    if started:
-        env = {k: os.environ[k] for k in ("PYTHONPATH", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE",
-                                          "VLLM_CPU_KVCACHE_SPACE", "VLLM_ENABLE_V1_MULTIPROCESSING", "LD_PRELOAD")
-               if k in os.environ}
-        if config.device == "cuda":
-            env.update(compat.CUDA_ACTOR_ENV)
-        world = config.trainer.world_size(mode)
-        ray.init(**compat.ray_init_kwargs(num_cpus=max(2, world), num_trainer_gpus=world, env_vars=env))
+    Returns:
+        ``(arm, seed) -> metrics rows``.
+    """
+    rows: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    session: Session | None = None
     try:
-        exp = IsoExecPPOExp(cfg, config, mode, seed, out_dir / "metrics.jsonl", engine_exp=engine_config,
-                            threads=threads, on_load=weights_at_load)
-        exp.run()
-        rows = exp.metrics.log.rows
+        for arm, seed in schedule(config):
+            if session is None or not session.fits(config, arm.mode):
+                if session is not None:
+                    session.close()
+                session = Session(config, arm.mode, threads)
+            rows[(arm.name, seed)] = session.run(config, arm, seed, init_dir, Path(rl_dir) / arm.name / f"seed{seed}",
+                                                 config.rl.steps if steps is None else steps, command)
     finally:
-        if started:
-            ray.shutdown()
+        if session is not None:
+            session.close()
     return rows

@@ -14,11 +14,14 @@ imports them. SkyRL talks to it through :class:`isoexec.rl.skyrl.client.IsoExecI
 - full-vocabulary rows of the sampled positions kept until fetched, keyed by the token content
   ``(prompt ids, response ids)``, for the ``full_vocab_kl`` metric (``keep_rows``);
 - the weight sync with the contract handshake: :meth:`update_weights` hands the tensors and the
-  trainer's contract to ``RolloutEngine.sync_weights`` (handshake before any weight moves).
+  trainer's contract to ``RolloutEngine.sync_weights`` (handshake before any weight moves);
+- :meth:`restart`: the next run of a session (:class:`isoexec.rl.skyrl.driver.Session`) in the same
+  process, the engine rebuilt only when its mode or settings change.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 from typing import Any
 
@@ -56,15 +59,37 @@ class EngineActor:
                  shard: int = 0):
         import torch
 
-        from isoexec.config import ExperimentConfig
-        from isoexec.engines.vllm_engine import RolloutEngine, vllm_env_defaults
+        from isoexec.engines.vllm_engine import vllm_env_defaults
 
         torch.set_num_threads(threads)
         vllm_env_defaults()
+        self.checkpoint, self.shard, self.keep_rows = checkpoint, shard, keep_rows
+        self.engine = None
+        self.restart(mode, config_json, seed)
+
+    def restart(self, mode: str, config_json: str, seed: int) -> None:
+        """Prepare for a new run (``mode``, experiment ``config_json``, ``seed``) on the same checkpoint.
+
+        The engine is rebuilt when the mode, or the experiment's ``engine`` or ``kernels`` section, differs
+        from the running engine's (the old one is shut down first: one in-process vLLM engine at a time,
+        :meth:`isoexec.engines.vllm_engine.RolloutEngine.shutdown`); otherwise it is kept. Either way the
+        call count starts again at 0 (the sampling seeds of :func:`shard_seed` depend only on the run seed
+        and the call), the kept rows are dropped, and the run's first weight sync gives the engine the
+        trainer's weights before any generation.
+        """
+        from isoexec.config import ExperimentConfig
+        from isoexec.engines.vllm_engine import RolloutEngine
+
         cfg = ExperimentConfig.model_validate(json.loads(config_json))
-        self.engine = RolloutEngine(checkpoint, mode, cfg.engine, cfg.kernels, seed=seed)
-        self.seed, self.shard = seed, shard
-        self.keep_rows = keep_rows
+        key = (mode, cfg.engine, cfg.kernels)
+        if self.engine is None or key != self._engine_key:
+            if self.engine is not None:
+                self.engine.shutdown()
+                self.engine = None
+                gc.collect()
+            self.engine = RolloutEngine(self.checkpoint, mode, cfg.engine, cfg.kernels, seed=seed)
+            self._engine_key = key
+        self.seed = seed
         self.calls = 0
         self.rows: dict[tuple[tuple[int, ...], tuple[int, ...]], np.ndarray] = {}
 

@@ -260,6 +260,24 @@ class IsoExecPolicyWorker(PolicyWorkerBase):
         self.strategy = IsoExecStrategy(self._world_size, warmed_update)
         self.last_sync: dict[str, Any] = {}
 
+    def isoexec_begin_run(self, cfg) -> None:
+        """Take the SkyRL trainer config of the next run of a session (:class:`isoexec.rl.skyrl.driver.Session`)
+        before ``init_model`` rebuilds the trainer: its mode and experiment (``policy.model_config_kwargs``),
+        algorithm and off-policy correction replace the last run's, the policy loss is looked up again
+        (``PolicyWorkerBase.__init__`` does it once), and the last run's trainer and optimizer are let go.
+
+        Args:
+            cfg: SkyRL's ``TrainerConfig`` of the run (``SkyRLTrainConfig.trainer``).
+        """
+        import gc
+
+        from skyrl.backends.skyrl_train.utils.ppo_utils import PolicyLossRegistry
+
+        self.cfg = cfg
+        self.policy_loss_fn = PolicyLossRegistry.get(cfg.algorithm.policy_loss_type)
+        self.policy = self.model = self.optimizer = self.scheduler = self.strategy = None
+        gc.collect()
+
     def _set_pad_token_id(self, pad_token_id: int) -> None:
         return None  # trainer_logprobs never sees padding (rows are packed)
 
