@@ -3,6 +3,8 @@ docs/design.md name its sections, and the README's table is the committed run's.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
 import subprocess
 from pathlib import Path
@@ -48,15 +50,22 @@ README = ROOT / "README.md"
 
 
 def test_readme_main_table_is_the_committed_runs():
-    """The README's table is results/cpu-tiny/tables/main.md pasted (its provenance comment left in the file):
-    regenerating the results without pasting the new table fails here."""
+    """The README's table is results/h200-rl/tables/side_by_side.md pasted (its provenance comment left in the
+    file), made from the committed runs of cpu-tiny and h200-rl as they are now: regenerating either without
+    remaking and pasting the table fails here."""
     readme = README.read_text()
-    m = re.search(r"<!-- main table: (results/[\w.-]+/tables/main\.md) -->\n(.*?)\n<!-- end of main table -->", readme, re.S)
+    m = re.search(r"<!-- main table: (results/[\w.-]+/tables/[\w.]+\.md) -->\n(.*?)\n<!-- end of main table -->", readme, re.S)
     assert m, "README.md lost its main-table markers"
+    assert m.group(1) == "results/h200-rl/tables/side_by_side.md"
     table = re.sub(r"\A<!--.*?-->\n", "", (ROOT / m.group(1)).read_text(), flags=re.S).strip()
     assert m.group(2).strip() == table, f"paste {m.group(1)} (without its leading comment) between the markers"
-    assert (ROOT / "results" / "cpu-tiny" / "figures" / "logprob_diff.png").is_file()
-    assert "(results/cpu-tiny/figures/logprob_diff.png)" in readme
+    prov = json.loads((ROOT / "results" / "h200-rl" / "tables" / "side_by_side.provenance.json").read_text())
+    made_from = {i["path"]: i["sha256"] for i in prov["inputs"]}
+    now = {str(p.relative_to(ROOT)): hashlib.sha256(p.read_bytes()).hexdigest()
+           for exp in ("cpu-tiny", "h200-rl") for p in sorted((ROOT / "results" / exp / "rl").glob("*/seed*/metrics.jsonl"))}
+    assert made_from == now, "rerun isoexec report side-by-side --exp-dir results/cpu-tiny --exp-dir results/h200-rl --out-dir results/h200-rl"
+    assert (ROOT / "results" / "h200-rl" / "figures" / "side_by_side.png").is_file()
+    assert "(results/h200-rl/figures/side_by_side.png)" in readme
 
 
 def test_readme_test_command_is_what_ci_runs():

@@ -49,6 +49,21 @@ def figures_command(exp_dir: ExpDir, arm: Arms = None, seed: Seeds = None) -> No
     _run("figures", exp_dir, arm, seed)
 
 
+@app.command("side-by-side")
+def side_by_side_command(
+    exp_dir: Annotated[list[Path], typer.Option("--exp-dir", help="an experiment's results folder (two or more, in "
+                                                "display order), e.g. results/cpu-tiny", file_okay=False)],
+    out_dir: Annotated[Path, typer.Option(help="folder that receives tables/ and figures/ (e.g. the last --exp-dir)",
+                                          file_okay=False)],
+) -> None:
+    """Write tables/side_by_side.* and figures/side_by_side.{png,pdf}: experiments on the same axes, e.g. the
+    GPU run beside its CPU twin (one row per experiment and arm)."""
+    from isoexec.report.side_by_side import write_side_by_side
+
+    for p in write_side_by_side(exp_dir, out_dir):
+        typer.echo(f"wrote {p}")
+
+
 @app.command("notebook")
 def notebook_command(
     exp_dir: ExpDir,

@@ -394,7 +394,7 @@ def format_scientific(x: float) -> str:
     return f"{mantissa}e{int(exponent)}"
 
 
-TEXT_COLUMNS = {"arm", "mode", "phase"}
+TEXT_COLUMNS = {"arm", "mode", "phase", "experiment", "device", "runs"}
 NOTE = ("Diffs are |trainer - rollout| logprob per response token; 0 means bitwise identical. Times are seconds "
         "per step without each run's first step (start-up, warm-up). Overheads are against native, paired within "
         "each seed (the arm's summed time over native's, over the same steps), then averaged over seeds; "
