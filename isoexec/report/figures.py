@@ -248,6 +248,19 @@ def ratio_figure(df: pd.DataFrame, exp: str) -> Figure:
 # --------------------------------------------------------------------------------------------------
 
 
+def arm_lines(ax, df: pd.DataFrame, key: str) -> None:
+    """One line per arm on ``ax``: ``key``'s mean over seeds per step, with a min-max band over seeds where
+    there are several, labelled with the number of seeds."""
+    stats = per_step_over_seeds(df, key)
+    for i, arm in enumerate(_arms(df)):
+        s = stats[stats["arm"] == arm].sort_values("step")
+        line = _line(arm, i, ms=3)
+        n = int(s["count"].max())
+        ax.plot(s["step"], s["mean"], **line, label=f"{arm} (mean of {n} seed{'s' * (n > 1)})")
+        if n > 1:
+            ax.fill_between(s["step"], s["min"], s["max"], color=line["color"], alpha=0.12, lw=0)
+
+
 def reward_figure(df: pd.DataFrame, exp: str, pass_k: int | None = None) -> Figure:
     """Mean reward (and pass@k when recorded) per step, mean over seeds with a min-max band.
 
@@ -262,14 +275,7 @@ def reward_figure(df: pd.DataFrame, exp: str, pass_k: int | None = None) -> Figu
     with _rc():
         axes = fig.subplots(1, len(panels), squeeze=False)[0]
         for ax, (key, title, ylabel) in zip(axes, panels, strict=True):
-            stats = per_step_over_seeds(df, key)
-            for i, arm in enumerate(_arms(df)):
-                s = stats[stats["arm"] == arm].sort_values("step")
-                line = _line(arm, i, ms=3)
-                n = int(s["count"].max())
-                ax.plot(s["step"], s["mean"], **line, label=f"{arm} (mean of {n} seed{'s' * (n > 1)})")
-                if n > 1:
-                    ax.fill_between(s["step"], s["min"], s["max"], color=line["color"], alpha=0.12, lw=0)
+            arm_lines(ax, df, key)
             ax.set_xlabel("RL step")
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
             ax.set_ylabel(ylabel)

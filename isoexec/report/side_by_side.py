@@ -21,7 +21,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from isoexec.report.data import discover_runs, load_metrics, report_provenance
-from isoexec.report.figures import _arms, _line, _rc, per_step_over_seeds, save_figure
+from isoexec.report.figures import _rc, arm_lines, save_figure
 from isoexec.report.tables import main_display, summarize, write_table
 
 STEM = "side_by_side"
@@ -69,14 +69,7 @@ def side_by_side_figure(frames: dict[str, pd.DataFrame], devices: dict[str, str]
         for col, (name, df) in enumerate(frames.items()):
             for row, (key, label, ylim) in enumerate(PANELS):
                 ax = axes[row][col]
-                stats = per_step_over_seeds(df, key)
-                for i, arm in enumerate(_arms(df)):
-                    s = stats[stats["arm"] == arm].sort_values("step")
-                    line = _line(arm, i, ms=3)
-                    n = int(s["count"].max())
-                    ax.plot(s["step"], s["mean"], **line, label=f"{arm} ({n} seed{'s' * (n > 1)})")
-                    if n > 1:
-                        ax.fill_between(s["step"], s["min"], s["max"], color=line["color"], alpha=0.12, lw=0)
+                arm_lines(ax, df, key)
                 ax.set_ylim(*ylim)
                 ax.xaxis.set_major_locator(MaxNLocator(integer=True))
                 ax.grid(True, alpha=0.3)
