@@ -549,6 +549,22 @@ def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
     return dict(pairs)
 
 
+def check_device(cfg: ExperimentConfig, source: str | Path) -> None:
+    """Refuse an experiment whose ``device`` this machine does not have, before anything runs on it.
+
+    Raises:
+        ValueError: ``device: cuda`` where torch sees no CUDA device (the run would otherwise fall back to the
+            CPU in some stages and fail in others, and its results would not be the experiment's).
+    """
+    if cfg.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError(f"{source}: device: cuda, but this machine has no CUDA device that torch can use "
+                             "(torch.cuda.is_available() is False); run it on a GPU node (README, GPU node), "
+                             "or use a config with device: cpu")
+
+
 def load_config(path: str | Path) -> ExperimentConfig:
     """Load and validate an experiment YAML, or a settings record ``results/<exp>/experiment.json``
     (:mod:`isoexec.settings`; a ``.json`` file is read as JSON): a run can be repeated from its record.

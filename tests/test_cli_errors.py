@@ -174,3 +174,32 @@ def test_gates_and_rollout_check_write_outside_the_committed_results_unless_aske
         "runs/cpu-tiny/gates/gates.csv", "runs/cpu-tiny/gates/gates.provenance.json", "runs/cpu-tiny/rollout_check.json"]
     assert invoke("gates", "--config", cfg, "--out-dir", "results/cpu-tiny").exit_code == 0  # asked for
     assert (tmp_path / "results" / "cpu-tiny" / "gates.csv").is_file()
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_a_cuda_experiment_is_refused_where_there_is_no_cuda_before_anything_runs(tmp_path):
+    """device: cuda without a CUDA device: every command that runs on the experiment's device says so in one
+    line (it used to train on the CPU, or fail deep in a kernel), and the workflow stops before any job, so
+    the committed outputs its jobs would delete first stay (a dry run still plans it)."""
+    cfg = "experiments/h200-rl.yaml"
+    sft = tmp_path / "sft"
+    sft.mkdir()
+    for args in (["gates", "--config", cfg, "--out-dir", tmp_path], ["rollout-check", "--config", cfg],
+                 ["rl", "train", "--config", cfg, "--arm", "isoexec", "--seed", 0, "--init", sft, "--out", tmp_path],
+                 ["rl", "paired", "--config", cfg, "--init", sft, "--out", tmp_path]):
+        assert_one_error_line(invoke(*args), "device: cuda", "no CUDA device")
+    work = tmp_path / "work"  # a copy of the experiment and of one committed output, the workflow run there
+    (work / "experiments").mkdir(parents=True)
+    (work / "experiments" / "h200-rl.yaml").write_text((ROOT / cfg).read_text())
+    kept = work / "results" / "h200-rl" / "rl" / "isoexec" / "seed0" / "metrics.jsonl"
+    kept.parent.mkdir(parents=True)
+    kept.write_text((ROOT / "results" / "h200-rl" / "rl" / "isoexec" / "seed0" / "metrics.jsonl").read_text())
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    snake = [sys.executable, "-m", "snakemake", "-s", str(ROOT / "Snakefile"), "--directory", str(work), "--cores", "1",
+             "reproduce", "--config", "experiment=experiments/h200-rl.yaml"]
+    dry = subprocess.run([*snake, "-n"], cwd=work, env=env, capture_output=True, text=True)
+    assert dry.returncode == 0, dry.stderr[-2000:]
+    real = subprocess.run(snake, cwd=work, env=env, capture_output=True, text=True)
+    assert real.returncode == 2 and "device: cuda, but this machine has no CUDA device" in real.stderr, real.stderr[-2000:]
+    assert kept.read_text() == (ROOT / "results" / "h200-rl" / "rl" / "isoexec" / "seed0" / "metrics.jsonl").read_text()
+    assert not (work / "runs").exists()

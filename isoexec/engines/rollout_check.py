@@ -26,7 +26,7 @@ import numpy as np
 import torch
 import typer
 
-from isoexec.config import ExperimentConfig, load_config
+from isoexec.config import ExperimentConfig, check_device, load_config
 from isoexec.engines.base import Completion
 from isoexec.settings import CONFIG_OPTION
 
@@ -236,6 +236,7 @@ def rollout_check_command(
         raise typer.BadParameter(f"{modes!r}: expected comma-separated modes from native, isoexec", param_hint="--modes")
     vllm_env_defaults()
     cfg = load_config(config)
+    check_device(cfg, config)
     ckpt = Path(checkpoint) if checkpoint else default_checkpoint(cfg)
     results = []
     for mode in chosen:

@@ -216,10 +216,11 @@ def gates_command(
 
     Exits 1 when an isoexec cell is not bitwise equal (the contract's tolerance is 0.0).
     """
-    from isoexec.config import load_config
+    from isoexec.config import check_device, load_config
 
     torch.set_num_threads(threads)
     cfg = load_config(config)
+    check_device(cfg, config)
     results, contract = gate_matrix(cfg, typer.echo)
     write_gate_outputs(out_dir or Path("runs") / cfg.name / "gates", results, contract)
     bad = [r for r in results if r.kernel_set == "isoexec" and not r.bitwise_equal]

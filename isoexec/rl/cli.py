@@ -91,12 +91,13 @@ def _run_config(config: Path, init: Path, steps: int | None, driver: str | None,
     that ``arm`` is one of its arms)."""
     from pydantic import ValidationError
 
-    from isoexec.config import load_config, validation_summary
+    from isoexec.config import check_device, load_config, validation_summary
     from isoexec.rl.arms import arm_names
 
     if driver not in (None, "loop", "skyrl"):
         raise typer.BadParameter(f"--driver must be loop or skyrl, got {driver!r}")
     cfg = load_config(config)
+    check_device(cfg, config)
     if driver is not None and driver != cfg.rl.driver:
         try:
             cfg = type(cfg).model_validate({**cfg.model_dump(), "rl": {**cfg.rl.model_dump(), "driver": driver}})

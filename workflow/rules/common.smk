@@ -9,7 +9,7 @@ import shutil
 
 from isoexec.allocator import with_tcmalloc
 from isoexec.cli import error_line
-from isoexec.config import load_config
+from isoexec.config import check_device, load_config
 from isoexec.rl.arms import arm_names
 from isoexec.settings import RECORD, settings_conflict, write_record
 
@@ -129,3 +129,12 @@ if shutil.which("isoexec") is None:
 wildcard_constraints:
     mode="|".join(CFG.rl.modes),
     seed=r"\d+",
+
+
+onstart:
+    # a device this machine lacks stops the run before any job (its jobs would delete committed outputs
+    # first); a dry run (no onstart) may still plan a GPU experiment anywhere
+    try:
+        check_device(CFG, CONFIGFILE)
+    except ValueError as e:
+        refuse(e)

@@ -19,7 +19,9 @@
 # node while it is kept between calls, and so does a detached job: a long job spans several calls, each
 # `wait`ing and collecting what is done.
 set -uo pipefail
-cmd=${1:?usage: gpu_node.sh install|start CMD...|wait SECONDS|run CMD...}; shift
+USAGE="usage: gpu_node.sh install | start CMD... | wait SECONDS | stop | run CMD..."
+[ $# -ge 1 ] || { echo "gpu_node: $USAGE"; exit 2; }
+cmd=$1; shift
 SITE=/tmp/site; PARTS=/tmp/parts; JOB=/tmp/job
 stack_env() {
   export PYTHONPATH=${1:-$PWD}:$SITE PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 \
@@ -70,7 +72,8 @@ case "$cmd" in
     echo "gpu_node: started: $*"
     ;;
   wait)
-    end=$((SECONDS + ${1:?seconds}))
+    [[ ${1:-} =~ ^[0-9]+$ ]] || { echo "gpu_node: wait SECONDS: a whole number of seconds, got '${1:-}'"; exit 2; }
+    end=$((SECONDS + $1))
     while [ ! -f "$JOB/rc" ] && [ $SECONDS -lt $end ]; do sleep 5; done
     [ -f "$JOB/rc" ] && echo "gpu_node: job ended, exit $(cat $JOB/rc)" || echo "gpu_node: job still running"
     mkdir -p "${OUT:?}"; tar -czf "$OUT/results.tar.gz" -C "$JOB" out; cp "$JOB/log" "$OUT/job.log"
@@ -85,5 +88,5 @@ case "$cmd" in
   run)
     stack_env; "$@"
     ;;
-  *) echo "gpu_node: unknown command $cmd"; exit 2 ;;
+  *) echo "gpu_node: unknown command '$cmd'; $USAGE"; exit 2 ;;
 esac
