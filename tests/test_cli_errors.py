@@ -203,3 +203,27 @@ def test_a_cuda_experiment_is_refused_where_there_is_no_cuda_before_anything_run
     assert real.returncode == 2 and "device: cuda, but this machine has no CUDA device" in real.stderr, real.stderr[-2000:]
     assert kept.read_text() == (ROOT / "results" / "h200-rl" / "rl" / "isoexec" / "seed0" / "metrics.jsonl").read_text()
     assert not (work / "runs").exists()
+
+
+def test_an_init_checkpoint_of_another_model_is_refused_naming_the_settings(tmp_path):
+    """rl train / rl paired compare the experiment's model section with the --init checkpoint's config: a
+    checkpoint of another shape used to train under the experiment's name (the checkpoint's model won)."""
+    from isoexec.config import load_config
+    from isoexec.model.hf import hf_config
+
+    cfg = load_config(ROOT / "experiments" / "ci-tiny.yaml")
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    hf_config(cfg.model, vocab_size=128).save_pretrained(ckpt)  # the config alone: the check reads no weights
+    other = tmp_path / "other.yaml"
+    other.write_text((ROOT / "experiments" / "ci-tiny.yaml").read_text().replace("name: ci-tiny", "name: ci-other")
+                     .replace("  hidden_size: 128", "  hidden_size: 64"))
+    assert "hidden_size: 64" in other.read_text()
+    out = tmp_path / "out"
+    for cmd in (["train", "--arm", "isoexec", "--seed", "0"], ["paired"]):
+        assert_one_error_line(invoke("rl", *cmd, "--config", other, "--init", ckpt, "--out", out),
+                              f"--init {ckpt} is not the model of {other}", "hidden_size: experiment 64, checkpoint 128")
+    from isoexec.model.hf import section_mismatches
+
+    assert section_mismatches(cfg.model, ckpt) == []  # the negative control: its own section agrees
+    assert not out.exists()

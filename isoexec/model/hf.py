@@ -149,6 +149,25 @@ def hf_config(section, vocab_size: int | None = None, tokenizer=None):
     return cfg
 
 
+def section_mismatches(section, path: str | Path) -> list[str]:
+    """The settings of an experiment's model section that the checkpoint at ``path`` has otherwise, as
+    ``"name: experiment X, checkpoint Y"``; empty when they agree. Compared: every section field that the
+    transformers config carries (``vocab_size`` only where the section sets it; ``init_std`` is not stored).
+
+    Raises:
+        FileNotFoundError, ValueError: from :func:`read_config`.
+    """
+    ckpt = read_config(path)
+    want = hf_config(section, vocab_size=section.vocab_size or ckpt.vocab_size)
+    missing = object()
+    out = []
+    for name in type(section).model_fields:
+        a, b = getattr(want, name, missing), getattr(ckpt, name, missing)
+        if a is not missing and b is not missing and a != b:
+            out.append(f"{name}: experiment {a}, checkpoint {b}")
+    return out
+
+
 # ---------------------------------------------------------------------------------------- read/write
 def read_config(path: str | Path):
     """The transformers config of a checkpoint folder (the text config of a Qwen3.5 multimodal one).

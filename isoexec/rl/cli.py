@@ -87,8 +87,8 @@ def sft(config: Path = typer.Option(..., help="experiment YAML"),
 
 
 def _run_config(config: Path, init: Path, steps: int | None, driver: str | None, arm: str | None = None):
-    """The experiment of ``config`` with ``--driver`` applied, after the checks every RL command makes (and
-    that ``arm`` is one of its arms)."""
+    """The experiment of ``config`` with ``--driver`` applied, after the checks every RL command makes (its
+    device is here, ``arm`` is one of its arms, ``init`` is a checkpoint of its model section)."""
     from pydantic import ValidationError
 
     from isoexec.config import check_device, load_config, validation_summary
@@ -109,6 +109,12 @@ def _run_config(config: Path, init: Path, steps: int | None, driver: str | None,
         raise typer.BadParameter(f"{'--steps' if steps is not None else f'rl.steps of {config}'}="
                                  f"{steps if steps is not None else cfg.rl.steps}: RL training needs at least one step")
     _checkpoint(init, "--init", "`isoexec rl sft` (or `isoexec rl init-model`)")
+    from isoexec.model.hf import section_mismatches
+
+    differ = section_mismatches(cfg.model, init)
+    if differ:
+        raise typer.BadParameter(f"--init {init} is not the model of {config}: {'; '.join(differ)} (train from a "
+                                 "checkpoint made with this experiment's model section)")
     return cfg
 
 
