@@ -147,7 +147,7 @@ def bench_command(
     On CUDA (device: cuda in the config) the Triton kernel set is required; a config that asks for it
     where it is not available fails with a clear message.
     """
-    from isoexec.config import load_config
+    from isoexec.config import check_device, load_config
     from isoexec.io import atomic_write_text, write_csv
     from isoexec.model.build import random_model
     from isoexec.provenance import provenance
@@ -155,9 +155,8 @@ def bench_command(
     torch.set_num_threads(threads)
     cfg = load_config(config)
     out = Path(out_dir) if out_dir else Path("runs") / cfg.name / "bench"
+    check_device(cfg, config)
     if cfg.device == "cuda":  # Triton kernel set: kernel, CPR and model benchmarks on the GPU
-        if not torch.cuda.is_available():
-            raise ValueError(f"{config}: device: cuda needs a visible CUDA device; torch {torch.__version__} sees none")
         from isoexec.bench.gpu import gpu_bench_command
 
         return gpu_bench_command(str(config), str(out), "bench")
