@@ -129,9 +129,10 @@ def test_native_gdn_ba_made_contiguous_on_gpu_platforms_only(monkeypatch):
     monkeypatch.setattr(cls, "fix_query_key_value_ordering", original)  # restored after the test
     monkeypatch.setattr(current_platform, "is_cpu", lambda: False)
     vllm_compat.contiguous_gdn_ba()
-    vllm_compat.contiguous_gdn_ba()  # idempotent: wrapped once
     wrapped = cls.fix_query_key_value_ordering
     assert wrapped is not original and wrapped.isoexec_contiguous
+    vllm_compat.contiguous_gdn_ba()  # idempotent: a second call wraps nothing more
+    assert cls.fix_query_key_value_ordering is wrapped
     *rest, b, a = wrapped(layer, qkvz, ba)
     assert b.is_contiguous() and a.is_contiguous()
     assert torch.equal(b, b0) and torch.equal(a, a0)
