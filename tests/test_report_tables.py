@@ -328,3 +328,14 @@ def test_cli_writes_tables(exp_dir):
     result = CliRunner().invoke(app, ["tables", "--exp-dir", str(exp_dir), "--seed", "0", "--seed", "1"])
     assert result.exit_code == 0, result.output
     assert "summary.csv" in result.output
+
+
+def test_runs_column_names_a_run_cut_short(exp_dir):
+    """An arm whose seeds ran different numbers of steps is not reported as seeds x its longest run."""
+    summary = tables.summarize(load_metrics(exp_dir))
+    assert _row(summary, "native")["runs"] == "2 x 3"
+    df = load_metrics(exp_dir)
+    cut = df[~((df["arm"] == "isoexec") & (df["seed"] == 1) & (df["step"] == 2))]
+    summary = tables.summarize(cut)
+    assert _row(summary, "isoexec")["runs"] == "3 + 2 steps" and _row(summary, "isoexec")["n_steps"] == 3
+    assert _row(summary, "native")["runs"] == "2 x 3"

@@ -52,7 +52,7 @@ def side_by_side_table(frames: dict[str, pd.DataFrame], devices: dict[str, str])
         shown, _ = main_display(summary)
         parts.append(pd.DataFrame({
             "experiment": name, "device": devices[name], "arm": shown["arm"],
-            "runs": [f"{int(s)} x {int(n)}" for s, n in zip(summary["n_seeds"], summary["n_steps"], strict=True)],
+            "runs": summary["runs"],
             "mismatched": shown["mismatched"], "logprob_abs_diff_max": shown["logprob_abs_diff_max"],
             "reward_first": shown["reward_first"], "reward_last": shown["reward_last"],
             "reward_window": summary["reward_window"].astype(int).astype(str),

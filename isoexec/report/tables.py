@@ -40,6 +40,8 @@ reward_first, reward_last      mean reward_mean over each seed's first / last re
                                averaged over seeds
 reward_window                  steps at each end: 10, or half the shortest run when it has fewer than 20
 n_seeds, n_steps               seeds and distinct steps aggregated
+runs                           the runs as "seeds x steps" ("3 x 50"), or each seed's steps where they
+                               differ ("50 + 50 + 40 steps": a run cut short)
 =============================  =======================================================================
 
 ``per_seed`` has the same columns with one row per (arm, seed) (its intervals bootstrap the steps of
@@ -124,6 +126,7 @@ COLUMNS: tuple[str, ...] = (
     "reward_window",
     "n_seeds",
     "n_steps",
+    "runs",
 )
 MAIN_HEADERS: dict[str, str] = {
     "arm": "arm",
@@ -251,11 +254,21 @@ def _aggregate(g: pd.DataFrame, window: int) -> dict:
         "reward_window": window,
         "n_seeds": int(g["seed"].nunique()),
         "n_steps": int(g["step"].nunique()),
+        "runs": runs_label(g),
     }
     timed = timed_steps(g)
     for key, col, _ in TIME_KEYS:
         row[col] = float(timed[key].mean())
     return row
+
+
+def runs_label(g: pd.DataFrame) -> str:
+    """An arm's runs as "seeds x steps" ("3 x 50"), or each seed's step count in seed order where they
+    differ ("50 + 50 + 40 steps"), from its per-step rows (columns ``seed``, ``step``)."""
+    per_seed = g.groupby("seed")["step"].nunique().sort_index()
+    if per_seed.nunique() == 1:
+        return f"{len(per_seed)} x {int(per_seed.iloc[0])}"
+    return " + ".join(str(int(n)) for n in per_seed) + " steps"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -608,8 +621,7 @@ def to_comparison_markdown(summary: pd.DataFrame, prov: dict, title: str) -> str
         cells = [_comparison_cell(rows[m], col, extra) for m in modes]
         cells += [_comparison_cell(PUBLISHED[m], col, extra) for m in PUBLISHED]
         lines.append("| " + " | ".join([label.format(w=window), *cells]) + " |")
-    n = {m: f"{int(rows[m]['n_seeds'])} x {int(rows[m]['n_steps'])}" for m in modes}
-    lines.append("| " + " | ".join(["seeds x steps", *(n[m] for m in modes), "1 x 50", "1 x 50"]) + " |")
+    lines.append("| " + " | ".join(["seeds x steps", *(rows[m]["runs"] for m in modes), "1 x 50", "1 x 50"]) + " |")
     lines += [
         "",
         "Published: vLLM blog (2026-08-21), SkyRL + vLLM + Megatron, Qwen3.5-35B-A3B, DAPO-Math-17k, "

@@ -22,7 +22,7 @@ set -uo pipefail
 USAGE="usage: gpu_node.sh install | start CMD... | wait SECONDS | stop | run CMD..."
 [ $# -ge 1 ] || { echo "gpu_node: $USAGE"; exit 2; }
 cmd=$1; shift
-SITE=/tmp/site; PARTS=/tmp/parts; JOB=/tmp/job
+SITE=/tmp/site; PARTS=/tmp/parts; JOB=${GPU_NODE_JOB:-/tmp/job}  # GPU_NODE_JOB: for tests
 stack_env() {
   export PYTHONPATH=${1:-$PWD}:$SITE PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 \
     VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 TRITON_CACHE_AUTOTUNING=1 \
@@ -73,6 +73,8 @@ case "$cmd" in
     ;;
   wait)
     [[ ${1:-} =~ ^[0-9]+$ ]] || { echo "gpu_node: wait SECONDS: a whole number of seconds, got '${1:-}'"; exit 2; }
+    # a machine released between calls comes back bare: say so at once instead of waiting for no job
+    [ -d "$JOB" ] || { echo "gpu_node: no job on this machine (a fresh one: the last was released, its job lost)"; exit 1; }
     end=$((SECONDS + $1))
     while [ ! -f "$JOB/rc" ] && [ $SECONDS -lt $end ]; do sleep 5; done
     [ -f "$JOB/rc" ] && echo "gpu_node: job ended, exit $(cat $JOB/rc)" || echo "gpu_node: job still running"

@@ -1,0 +1,37 @@
+"""workflow/scripts/gpu_node.sh's refusals, run here (bash only; the GPU node itself is not needed)."""
+
+import os
+import subprocess
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "workflow" / "scripts" / "gpu_node.sh"
+
+
+def _run(*args, **env):
+    return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, cwd=ROOT,
+                          env={**os.environ, **env}, timeout=60)
+
+
+def test_wait_on_a_machine_without_a_job_says_so_at_once(tmp_path):
+    """A device machine released between calls comes back bare; `wait` must not sit out its seconds."""
+    job, out = tmp_path / "job", tmp_path / "out"
+    t0 = time.monotonic()
+    r = _run("wait", "30", GPU_NODE_JOB=str(job), OUT=str(out))
+    assert r.returncode == 1 and "no job on this machine" in r.stdout
+    assert time.monotonic() - t0 < 10
+    # the control: a finished job is collected
+    (job / "out").mkdir(parents=True)
+    (job / "rc").write_text("0\n")
+    (job / "log").write_text("done\n")
+    r = _run("wait", "30", GPU_NODE_JOB=str(job), OUT=str(out))
+    assert r.returncode == 0 and "job ended, exit 0" in r.stdout
+    assert (out / "results.tar.gz").is_file()
+
+
+def test_usage_errors_are_one_line_and_exit_2():
+    for args in ([], ["wait", "ten"], ["frobnicate"]):
+        r = _run(*args)
+        assert r.returncode == 2, (args, r.stdout, r.stderr)
+        assert len(r.stdout.strip().splitlines()) == 1 and r.stdout.startswith("gpu_node:"), (args, r.stdout)
