@@ -1,4 +1,5 @@
-"""workflow/scripts/gpu_node.sh's refusals, run here (bash only; the GPU node itself is not needed)."""
+"""The GPU-node scripts' refusals (workflow/scripts/gpu_node.sh, gpu_site.sh), run here: bash only, no GPU node
+and no network needed."""
 
 import os
 import subprocess
@@ -7,6 +8,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "workflow" / "scripts" / "gpu_node.sh"
+SITE = ROOT / "workflow" / "scripts" / "gpu_site.sh"
 
 
 def _run(*args, **env):
@@ -35,3 +37,17 @@ def test_usage_errors_are_one_line_and_exit_2():
         r = _run(*args)
         assert r.returncode == 2, (args, r.stdout, r.stderr)
         assert len(r.stdout.strip().splitlines()) == 1 and r.stdout.startswith("gpu_node:"), (args, r.stdout)
+
+
+def test_site_parts_too_large_to_travel_beside_the_repository_are_refused(tmp_path):
+    """A device call carries 64 MiB: one part plus the repository. A part size that leaves no room is refused
+    before anything is downloaded; the default passes that check (it then fails only on the bad WHAT)."""
+    def site(*args):
+        return subprocess.run(["bash", str(SITE), str(tmp_path / "parts"), *args], capture_output=True, text=True,
+                              cwd=ROOT, timeout=60)
+    r = site("60", "site")
+    assert r.returncode == 2 and "PART_MIB must be at most" in r.stdout, r.stdout
+    r = site("4x", "site")
+    assert r.returncode == 2 and "whole number" in r.stdout
+    r = site("44", "nothing")
+    assert r.returncode == 2 and r.stdout.strip() == "gpu_site: WHAT must be all, site or rl, got nothing"
