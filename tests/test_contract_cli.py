@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from typer.testing import CliRunner
 
@@ -54,6 +56,22 @@ def test_verify_malformed_file_fails_with_position(saved):
     assert r.exit_code == 2  # unreadable input, as an edited one
     assert str(saved) in r.output and "malformed JSON" in r.output and "line 3" in r.output
     assert r.output.startswith("error: ") and r.output.count("\n") == 1
+
+
+def test_verify_of_another_json_document_says_it_is_not_a_contract_in_one_line(saved, tmp_path):
+    """Any JSON that has none of a contract's fields gets one decode error naming what it has, not a
+    missing-field error per contract field; a contract missing some fields still lists each (the control)."""
+    for text, has in (('{"a": 1, "b": 2}', "it has a, b"), ("[1, 2]", "it is a list"), ("{}", "it has no field")):
+        other = tmp_path / "other.json"
+        other.write_text(text)
+        r = run("verify", other)
+        assert r.exit_code == 2 and r.output.count("\n") == 1, r.output
+        assert "1 decode error(s): <json>: not an execution contract" in r.output and has in r.output
+    obj = json.loads(saved.read_text())
+    del obj["cases"], obj["claims"]
+    saved.write_text(json.dumps(obj))
+    r = run("verify", saved)
+    assert r.exit_code == 2 and "cases: missing field" in r.output and "claims: missing field" in r.output
 
 
 def test_verify_missing_file_fails(tmp_path):

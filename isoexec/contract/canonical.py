@@ -303,6 +303,12 @@ def from_obj(obj: Any, source: str | None = None) -> ExecutionContract:
         ContractDecodeError: listing every unknown/missing field, wrong type, raw float and bad
             bit pattern.
     """
+    if not isinstance(obj, dict) or not set(obj) & set(_TOP):
+        # some other JSON document: one line, not a missing-field error per contract field
+        has = (f"it has {', '.join(map(str, list(obj)[:8])) or 'no field'}" if isinstance(obj, dict)
+               else f"it is {_kind(obj)}, not an object")
+        raise ContractDecodeError([Violation("<json>", f"not an execution contract (fields {', '.join(_TOP)}): {has}")],
+                                  source)
     r = _Reader()
     top = r.fields(obj, "", _TOP) or {}
     if "schema" in top and top["schema"] != SCHEMA:

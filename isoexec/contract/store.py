@@ -82,6 +82,8 @@ def loads(data: str | bytes, source: str = "<contract>", *, regions: Sequence[st
         try:
             from_obj(obj, source)
         except ContractDecodeError as e:
+            if e.violations[0].path == "<json>":  # not a contract at all: its own one line says so
+                raise
             raise ContractDecodeError([*e.violations, Violation(FIELD_DIGESTS, problem)], source) from None
         raise ContractDecodeError([Violation(FIELD_DIGESTS, problem)], source)
     c = from_obj(obj, source)
