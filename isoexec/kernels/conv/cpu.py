@@ -6,6 +6,7 @@ import ctypes
 
 import torch
 
+from isoexec.kernels.conv.layout import check_inputs, pack
 from isoexec.kernels.native_build import c_ptr, kernel_library
 from isoexec.kernels.primitives import silu
 
@@ -17,8 +18,8 @@ def iso_causal_conv1d(pieces: list[torch.Tensor], w: torch.Tensor, prefixes: lis
     Output position t of a piece sums ``w[:, j] * x[t - Kc + 1 + j]`` for j = 0..Kc-1 in that order,
     in fp32 (the taps before the piece come from its prefix), whatever the case (prefill, chunked
     prefill, decode) and whatever the other pieces: the same per-element operations everywhere. All
-    pieces run in one pass of the C kernel ``causal_conv1d.c`` over ``[prefix_0 | x_0 | prefix_1 | x_1 | ...]``
-    (only the rows that are outputs); the SiLU follows in torch. Under autograd the tap sums' gradient
+    pieces run in one pass of the C kernel ``causal_conv1d.c`` over their packed layout
+    (:mod:`isoexec.kernels.conv.layout`; only the rows that are outputs); the SiLU follows in torch. Under autograd the tap sums' gradient
     comes from the same C file (fp32, not bitwise).
 
     Args:
@@ -30,18 +31,9 @@ def iso_causal_conv1d(pieces: list[torch.Tensor], w: torch.Tensor, prefixes: lis
         (per piece ``[L_b, C]`` in the inputs' dtype, per piece its new prefix ``[Kc-1, C]``).
 
     Raises:
-        ValueError: a weight that is not ``[C, Kc]``, or not one ``[Kc-1, C]`` prefix per piece.
+        ValueError: see :func:`~isoexec.kernels.conv.layout.check_inputs`.
     """
-    dtype = pieces[0].dtype
-    channels = pieces[0].shape[-1]
-    kc = w.shape[1] if w.dim() == 2 else 0
-    if w.dim() != 2 or w.shape[0] != channels:
-        raise ValueError(f"gdn.conv1d: the weight must be [channels, taps] = [{channels}, Kc], got {tuple(w.shape)}")
-    if len(prefixes) != len(pieces):
-        raise ValueError(f"gdn.conv1d: {len(pieces)} pieces but {len(prefixes)} prefixes (one per piece)")
-    for b, p in enumerate(prefixes):
-        if tuple(p.shape) != (kc - 1, channels):
-            raise ValueError(f"gdn.conv1d: prefix {b} has shape {tuple(p.shape)}, need ({kc - 1}, {channels}) (Kc-1 rows)")
+    dtype, channels, kc = check_inputs(pieces, w, prefixes)
     if (kc > 1 and all(x.shape[0] == 1 for x in pieces) and not torch.is_grad_enabled()
             and all(p.dtype == dtype for p in prefixes)):
         # decode: every piece one token; [prefix_b | x_b] as rows of one [B, Kc, C] tensor (the same tap sums)
@@ -49,19 +41,13 @@ def iso_causal_conv1d(pieces: list[torch.Tensor], w: torch.Tensor, prefixes: lis
         b = len(pieces)
         acc = _tap_sums(ext.float().view(b * kc, channels), w.float().t(), torch.arange(b) * kc)
         return list(silu(acc).to(dtype).split(1)), list(ext[:, 1:].unbind(0))
-    parts = [t for x, p in zip(pieces, prefixes) for t in (p if p.dtype == dtype else p.to(dtype), x)]
-    ext = torch.cat(parts, dim=0).float()  # [prefix_0 | x_0 | prefix_1 | x_1 | ...]
-    lens = torch.tensor([x.shape[0] for x in pieces], dtype=torch.long)
-    ends = torch.cumsum(lens + (kc - 1), 0)  # end of each piece's span in ext
-    starts = ends - lens - (kc - 1)
-    # row of ext holding the first tap of output t of piece b: start_b + t
-    first = torch.arange(int(lens.sum())) + torch.repeat_interleave(starts - (torch.cumsum(lens, 0) - lens), lens)
+    packed = pack(pieces, prefixes, dtype, kc)
+    ext = packed.ext.float()
     wt = w.float().t().contiguous()  # [Kc, C]: tap j's weights contiguous
-    ys = list(silu(_Taps.apply(ext, wt, first)).to(dtype).split(lens.tolist()))
+    ys = list(silu(_Taps.apply(ext, wt, packed.first)).to(dtype).split(packed.lengths))
     if kc == 1:
         return ys, list(prefixes)
-    tail = ext[(ends[:, None] - (kc - 1)) + torch.arange(kc - 1)[None, :]].to(dtype)  # [B, Kc-1, C]
-    return ys, list(tail.unbind(0))
+    return ys, list(packed.ext.detach()[packed.tail].unbind(0))
 
 
 class _Taps(torch.autograd.Function):

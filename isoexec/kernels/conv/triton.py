@@ -1,8 +1,11 @@
 """Depthwise causal conv1d + SiLU in Triton (region ``gdn.conv1d``).
 
 Output position t sums ``w[:, j] * x[t - Kc + 1 + j]`` for j = 0..Kc-1 in that order, in fp32 (taps
-before the piece come from the cached prefix). One compiled code path for every position and case,
-so prefill, chunked prefill and decode agree bitwise.
+before the piece come from the cached prefix). Every piece of a call runs in ONE launch over the packed
+layout of :mod:`isoexec.kernels.conv.layout` (an engine step's decode tokens and prefill chunks together;
+one launch per piece before, 6,144 launches in one generate of ``results/h200-vllm``'s profile), and each
+output element is the same operations in every case and batch, so prefill, chunked prefill and decode agree
+bitwise.
 """
 
 from __future__ import annotations
@@ -12,63 +15,72 @@ import triton
 import triton.language as tl
 
 from isoexec.kernels.autograd import with_ref_grad
-from isoexec.kernels.conv.native import native_causal_conv1d
+from isoexec.kernels.conv.layout import check_inputs, pack
+from isoexec.kernels.conv.native import native_conv_span
 
 
 @triton.jit(do_not_specialize=["n", "CH"])
-def _conv_kernel(x_ptr, p_ptr, w_ptr, y_ptr, n, CH, KC: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+def _conv_kernel(ext_ptr, first_ptr, w_ptr, y_ptr, n, CH, KC: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     c = tl.program_id(1) * BC + tl.arange(0, BC)
+    tm = t < n
     cm = c < CH
+    m = tm[:, None] & cm[None, :]
+    base = tl.load(first_ptr + t, mask=tm, other=0)  # int64: the row of output t's tap 0
     acc = tl.zeros((BT, BC), tl.float32)
     for j in tl.static_range(KC):
-        src = t - (KC - 1) + j  # position in the piece; < 0 reads the prefix row KC-1+src
-        in_x = (src >= 0) & (t < n)
-        in_p = (src < 0) & (t < n)
-        xv = tl.load(x_ptr + tl.maximum(src, 0).to(tl.int64)[:, None] * CH + c[None, :], mask=in_x[:, None] & cm[None, :], other=0.0)
-        pv = tl.load(p_ptr + tl.maximum(src + KC - 1, 0)[:, None] * CH + c[None, :], mask=in_p[:, None] & cm[None, :], other=0.0)
-        xf = tl.where(in_x[:, None], xv, pv).to(tl.float32)
+        xf = tl.load(ext_ptr + (base + j)[:, None] * CH + c[None, :], mask=m, other=0.0).to(tl.float32)
         wj = tl.load(w_ptr + c * KC + j, mask=cm, other=0.0).to(tl.float32)
         if j == 0:
             acc = xf * wj[None, :]
         else:
             acc = acc + xf * wj[None, :]
     y = acc / (1.0 + tl.exp(-acc))
-    tl.store(y_ptr + t.to(tl.int64)[:, None] * CH + c[None, :], y.to(y_ptr.dtype.element_ty), mask=(t < n)[:, None] & cm[None, :])
+    tl.store(y_ptr + t.to(tl.int64)[:, None] * CH + c[None, :], y.to(y_ptr.dtype.element_ty), mask=m)
 
 
-def causal_conv1d(x: torch.Tensor, w: torch.Tensor, prefix: torch.Tensor, block_t: int, block_c: int
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Causal conv1d + SiLU of one piece. x ``[L, C]``; w ``[C, Kc]``; prefix ``[Kc-1, C]`` (previous inputs);
-    block_t / block_c: positions / channels per program (``kernels.triton.conv_block_t/_c``).
-
-    Returns (``[L, C]`` in ``x.dtype``, new prefix ``[Kc-1, C]``)."""
-    n, ch = x.shape
-    kc = w.shape[1]
-    x = x.contiguous()
-    prefix = prefix.to(x.dtype).contiguous()
-    y = torch.empty_like(x)
+def _tap_rows(ext: torch.Tensor, first: torch.Tensor, w: torch.Tensor, block_t: int, block_c: int) -> torch.Tensor:
+    """The kernel: conv + SiLU of output rows ``first`` (``[N]`` int64, on ext's device) of ``ext``; ``[N, C]``."""
+    n, ch = first.numel(), ext.shape[1]
+    y = ext.new_empty(n, ch)
     if n:
-        _conv_kernel[(triton.cdiv(n, block_t), triton.cdiv(ch, block_c))](x, prefix, w.contiguous(), y, n, ch, KC=kc,
-                                                                          BT=block_t, BC=block_c, num_warps=4)
-    if kc == 1:
-        return y, prefix
-    new_prefix = x[-(kc - 1):] if n >= kc - 1 else torch.cat([prefix, x])[-(kc - 1):]
-    return y, new_prefix.clone()
-
-
-def causal_conv1d_autograd(x: torch.Tensor, w: torch.Tensor, prefix: torch.Tensor, block_t: int, block_c: int
-                           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`causal_conv1d` whose gradient is transformers' ``F.conv1d`` path; the new prefix is detached."""
-    y = with_ref_grad(lambda a, b, p: causal_conv1d(a, b, p, block_t, block_c)[0],
-                      lambda a, b, p: native_causal_conv1d(a, b, p)[0], x, w, prefix)
-    kc = w.shape[1]
-    new_prefix = torch.cat([prefix.to(x.dtype), x.detach()])[-(kc - 1):] if kc > 1 else prefix
-    return y, new_prefix
+        _conv_kernel[(triton.cdiv(n, block_t), triton.cdiv(ch, block_c))](
+            ext.contiguous(), first, w.contiguous(), y, n, ch, KC=w.shape[1], BT=block_t, BC=block_c, num_warps=4)
+    return y
 
 
 def causal_conv1d_pieces(pieces: list[torch.Tensor], w: torch.Tensor, prefixes: list[torch.Tensor], block_t: int,
                          block_c: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """:func:`causal_conv1d_autograd` piece by piece (the region's batched signature)."""
-    out = [causal_conv1d_autograd(x, w, p, block_t, block_c) for x, p in zip(pieces, prefixes)]
-    return [y for y, _ in out], [p for _, p in out]
+    """Causal conv1d + SiLU of every piece in one launch (the region's signature).
+
+    Args:
+        pieces: per sequence piece its new inputs ``[L_b, C]``; w: ``[C, Kc]``; prefixes: per piece its previous
+            ``Kc-1`` inputs ``[Kc-1, C]``; block_t / block_c: output rows / channels per program
+            (``kernels.triton.conv_block_t/_c``; they move no bit).
+
+    Returns:
+        (per piece ``[L_b, C]`` in the pieces' dtype, per piece its new prefix ``[Kc-1, C]``, detached). Under
+        autograd the gradient is transformers' ``F.conv1d`` path (:func:`~isoexec.kernels.autograd.with_ref_grad`).
+
+    Raises:
+        ValueError: see :func:`~isoexec.kernels.conv.layout.check_inputs`.
+    """
+    dtype, _, kc = check_inputs(pieces, w, prefixes)
+    packed = pack(pieces, prefixes, dtype, kc)
+    # one copy to the device: each output row's tap-0 row, then each piece's new-prefix rows
+    rows = torch.cat([packed.first, packed.tail.flatten()]).to(packed.ext.device)
+    first, tail = rows[:packed.first.numel()], rows[packed.first.numel():]
+    y = with_ref_grad(lambda e, ww: _tap_rows(e, first, ww, block_t, block_c),
+                      lambda e, ww: torch.cat([native_conv_span(e[s:t], ww) for s, t in packed.spans]),
+                      packed.ext, w)
+    ys = list(y.split(packed.lengths))
+    if kc == 1:
+        return ys, list(prefixes)
+    return ys, list(packed.ext.detach()[tail].view(len(pieces), kc - 1, -1).unbind(0))
+
+
+def causal_conv1d(x: torch.Tensor, w: torch.Tensor, prefix: torch.Tensor, block_t: int, block_c: int
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One piece: x ``[L, C]``, w ``[C, Kc]``, prefix ``[Kc-1, C]`` -> (``[L, C]``, new prefix ``[Kc-1, C]``)."""
+    ys, prefixes = causal_conv1d_pieces([x], w, [prefix], block_t, block_c)
+    return ys[0], prefixes[0]
