@@ -65,3 +65,21 @@ def test_leaf_gemm_in_register_tree_keeps_every_addition_for_sm90(leaf_k, flat):
     # unrolled: 8 leaf loops, 7 tree additions; flat: one K loop whose leaf ends climb the tree's three
     # levels (one addition each). A folded addition would disappear into a dot's accumulator.
     assert _tile_addf(_leaf_gemm_kernel, sig, consts) == ((1, 3) if flat else (8, 7))
+
+
+@pytest.mark.parametrize("kc", [2, 4])
+def test_conv1d_kernel_compiles_for_sm90_with_one_fma_chain_per_output(kc):
+    """The gdn.conv1d kernel (one launch over every piece) compiles for Hopper, and each output element's tap
+    sum is tap 0's product then KC-1 fused multiply-adds in tap order: as many ``fma.rn.f32`` as KC-1 per
+    element, per element one ``add`` (the SiLU's 1 + exp)."""
+    from triton.backends.compiler import GPUTarget
+
+    from isoexec.kernels.conv.triton import _conv_kernel
+
+    consts = {"KC": kc, "BT": 16, "BC": 128}
+    sig = {"ext_ptr": "*bf16", "first_ptr": "*i64", "w_ptr": "*bf16", "y_ptr": "*bf16", "n": "i32", "CH": "i32",
+           **{c: "constexpr" for c in consts}}
+    src = triton.compiler.ASTSource(fn=_conv_kernel, signature=sig, constexprs=consts)
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
+    fma, add = len(re.findall(r"\bfma\.rn\.f32\b", ptx)), len(re.findall(r"\badd\.(?:rn\.)?f32\b", ptx))
+    assert add > 0 and fma == (kc - 1) * add, (fma, add)
