@@ -283,6 +283,33 @@ def kernel_table(cfg, ceil: dict, log=print, extra_models=()) -> list[dict]:
 
 
 # ------------------------------------------------------------------------------------------- CPR
+def conv_pieces_table(cfg, log=print) -> list[dict]:
+    """``gdn.conv1d`` over many pieces at the model's conv width: one launch for every piece (the region's
+    kernel) against one launch per piece (how it ran before), on the same inputs; both outputs must be equal
+    bit for bit. Cases: decode steps of 32 and 256 sequences, and an engine step of 8 prefill chunks of 512
+    rows beside 56 decode tokens."""
+    from isoexec.kernels.conv import triton as t_conv
+
+    m, tc = cfg.model, cfg.kernels.triton
+    ch = 2 * m.linear_num_key_heads * m.linear_key_head_dim + m.linear_num_value_heads * m.linear_value_head_dim
+    kc, dev, bf = m.linear_conv_kernel_dim, "cuda", torch.bfloat16
+    w = torch.randn(ch, kc, device=dev, dtype=bf)
+    rows = []
+    for case, lengths in (("decode 32", [1] * 32), ("decode 256", [1] * 256), ("8 x 512 prefill + 56 decode", [512] * 8 + [1] * 56)):
+        xs = [torch.randn(n, ch, device=dev, dtype=bf) for n in lengths]
+        ps = [torch.randn(kc - 1, ch, device=dev, dtype=bf) for _ in lengths]
+        one = lambda: t_conv.causal_conv1d_pieces(xs, w, ps, tc.conv_block_t, tc.conv_block_c)  # noqa: E731
+        each = lambda: [t_conv.causal_conv1d(x, w, p, tc.conv_block_t, tc.conv_block_c) for x, p in zip(xs, ps)]  # noqa: E731
+        (ya, pa), yb = one(), each()
+        equal = all(torch.equal(a, b) for a, (b, _) in zip(ya, yb)) and all(torch.equal(a, b) for a, (_, b) in zip(pa, yb))
+        t_one, t_each = _bench(one), _bench(each)
+        r = {"case": case, "pieces": len(lengths), "rows": sum(lengths), "channels": ch, "one_launch_ms": t_one,
+             "launch_per_piece_ms": t_each, "time_ratio_one_over_per_piece": t_one / t_each, "bitwise_equal": equal}
+        log(json.dumps(r))
+        rows.append(r)
+    return rows
+
+
 def gdn_inputs(T: int, H: int, dk: int = 128, dv: int = 128):
     """Random GDN inputs on CUDA for the benchmarks: q, k ``[T, H, dk]`` (l2-normalised), v ``[T, H, dv]``,
     g ``[T, H]`` (``0.1 * logsigmoid``, a mild decay), beta ``[T, H]`` in [0, 1); fp32."""
@@ -918,7 +945,7 @@ def gpu_bench_command(config: str = "experiments/h200.yaml", out_dir: str | None
 
     ``what``: ``variants`` (candidate launch constants side by side with their bitwise checks, for the
     deployment to pin in ``kernels.triton``), ``gates``, ``profile`` (CPR breakdown), ``kernels`` /
-    ``cpr`` / ``model`` (one benchmark table each), ``bench`` (the three), ``all`` (gates + bench).
+    ``cpr`` / ``model`` / ``conv`` (one benchmark table each; conv: ``conv_pieces.csv``), ``bench`` (the three), ``all`` (gates + bench).
     Every stage runs with the constants of the config it is given."""
     from isoexec.config import load_config
     from isoexec.io import atomic_write_text, write_csv
@@ -947,6 +974,7 @@ def gpu_bench_command(config: str = "experiments/h200.yaml", out_dir: str | None
     if what in ("gates", "all"):
         prov["gates"] = gpu_gates(cfg, out, log)
     tables = {"kernels": ("kernel_bench",), "cpr": ("cpr_layer", "cpr_backward"), "cpr_backward": ("cpr_backward",),
+              "conv": ("conv_pieces",),
               "model": ("model_throughput",),
               "bench": ("kernel_bench", "cpr_layer", "model_throughput"), "all": ("kernel_bench", "cpr_layer", "model_throughput")}
     if what in tables:
@@ -956,7 +984,8 @@ def gpu_bench_command(config: str = "experiments/h200.yaml", out_dir: str | None
         log(f"ceilings: {ceil}")
         for name, fn in (("kernel_bench", lambda: kernel_table(cfg, ceil, log, extra)), ("cpr_layer", lambda: cpr_table(cfg, log)),
                          ("cpr_backward", lambda: cpr_backward_table(cfg, log)),
-                         ("model_throughput", lambda: model_table(cfg, log))):
+                         ("model_throughput", lambda: model_table(cfg, log)),
+                         ("conv_pieces", lambda: conv_pieces_table(cfg, log))):
             if name not in tables[what]:
                 continue
             t0 = time.time()
@@ -976,7 +1005,8 @@ if __name__ == "__main__":
     import argparse
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("what", choices=["variants", "gates", "profile", "kernels", "cpr", "cpr_backward", "model", "bench", "all"])
+    p.add_argument("what", choices=["variants", "gates", "profile", "kernels", "cpr", "cpr_backward", "model", "conv", "bench",
+                                    "all"])
     p.add_argument("--config", default="experiments/h200.yaml")
     p.add_argument("--extra-config", action="append", default=[], help="another experiment whose shapes the GEMM and attention rows add")
     p.add_argument("--out-dir", default=None)

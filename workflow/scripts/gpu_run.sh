@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one script the GPU node runs: carried wheels -> GPU tests, gates, benchmarks, pik over NCCL.
 # Usage (repo root, CUDA machine): OUT=/some/dir bash workflow/scripts/gpu_run.sh [STAGE]...
-# Stages: test gates variants profile kernels cpr model rlstep pik megatron; "all" = test gates kernels cpr
+# Stages: test gates variants profile kernels cpr model conv rlstep pik megatron; "all" = test gates kernels cpr
 # profile rlstep pik megatron. pik runs first, one process per GPU (torchrun, NCCL), when there are at least
 # two GPUs; then the timed stages (variants profile kernels cpr model rlstep, then the one-GPU phase of
 # megatron) run one after another on GPU 0 while the correctness stages (test gates) run on GPU 1 (with one
@@ -33,7 +33,7 @@ MEGATRON_WORK=$(mktemp -d)
 M="-m isoexec.bench.megatron_gpu --config $CONFIG --work $MEGATRON_WORK"
 
 timed_stages() {
-  for s in variants profile kernels cpr cpr_backward model; do
+  for s in variants profile kernels cpr cpr_backward model conv; do
     if has $s; then
       CUDA_VISIBLE_DEVICES=0 timeout "$(eval echo \${T_${s^^}:-300})" $B $s --config "$CONFIG" --extra-config "$RLCONFIG" \
         --out-dir "$OUT/h200"
