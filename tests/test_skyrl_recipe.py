@@ -232,3 +232,30 @@ def test_launch_environment_lets_a_fresh_process_import_skyrl_and_declares_logic
     assert json.loads(gpus["RAY_OVERRIDE_RESOURCES"])["GPU"] == 2 and json.loads(gpus["RAY_OVERRIDE_RESOURCES"])["CPU"] >= 6
     with pytest.raises(ValueError, match="logical GPUs must be >= 1, got 0"):
         compat.logical_gpus_env(0)
+
+
+def test_server_client_sends_skyrls_min_tokens_as_0_and_refuses_what_the_engine_does_not_serve(monkeypatch):
+    """SkyRL always asks for min_tokens=1, which masks EOS and which the isoexec server's request guard refuses;
+    the recipe's client serves it as 0 (as the local driver's client does) and refuses the rest at its boundary."""
+    import asyncio
+
+    from skyrl.backends.skyrl_train.inference_servers.engine_utils import get_vllm_sampling_params
+    from skyrl.backends.skyrl_train.inference_servers.remote_inference_client import RemoteInferenceClient
+    from skyrl.train.config.config import SamplingParams
+
+    from isoexec.rl.skyrl.servers import IsoExecServerClient
+
+    sent = []
+
+    async def skyrls_generate(self, input_batch, model=None):  # the HTTP request it would send
+        sent.append(input_batch["sampling_params"])
+
+    monkeypatch.setattr(RemoteInferenceClient, "generate", skyrls_generate)
+    client = IsoExecServerClient(proxy_url="http://router", server_urls=["http://server0"], data_parallel_size=1)
+    params = get_vllm_sampling_params(SamplingParams(max_generate_length=8, top_k=-1, logprobs=1))
+    assert params["min_tokens"] == 1  # SkyRL's
+    asyncio.run(client.generate({"prompt_token_ids": [[1, 2]], "sampling_params": params}))
+    assert sent == [{**params, "min_tokens": 0}]
+    with pytest.raises(ValueError, match=r"top_p=0\.9 \(allowed: 1\.0\)"):
+        asyncio.run(client.generate({"prompt_token_ids": [[1, 2]], "sampling_params": {**params, "top_p": 0.9}}))
+    assert len(sent) == 1

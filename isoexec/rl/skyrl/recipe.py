@@ -31,6 +31,7 @@ from isoexec.rl.skyrl import compat
 compat.install()  # before the first skyrl import (compat item 1)
 
 import ray  # noqa: E402
+from loguru import logger  # noqa: E402 - SkyRL's logger
 from skyrl.train.config import SkyRLTrainConfig  # noqa: E402
 from skyrl.train.entrypoints.main_base import BasePPOExp  # noqa: E402
 from skyrl.train.utils import validate_cfg  # noqa: E402
@@ -65,6 +66,9 @@ class RecipeExp(BasePPOExp):
                                         colocate_pg=self.colocate_pg)
         self.trainer.trajectory_logger = self.get_trajectory_logger()
         self.trainer.build_models(ray.remote(num_gpus=1)(POLICY_WORKER), None, None)
+        classes = ray.get([a.handle.__ray_call__.remote(lambda w: type(w).__name__)
+                           for a in self.trainer.policy_model.actor_infos])  # what the actors are, asked of them
+        logger.info(f"isoexec recipe: policy workers {classes} (one per trainer rank); no critic, no reference")
         asyncio.run(self.trainer.train())
 
 
