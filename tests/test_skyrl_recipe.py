@@ -259,3 +259,18 @@ def test_server_client_sends_skyrls_min_tokens_as_0_and_refuses_what_the_engine_
     with pytest.raises(ValueError, match=r"top_p=0\.9 \(allowed: 1\.0\)"):
         asyncio.run(client.generate({"prompt_token_ids": [[1, 2]], "sampling_params": {**params, "top_p": 0.9}}))
     assert len(sent) == 1
+
+
+def test_frontend_args_are_found_at_skyrls_path_where_vllm_keeps_them_at_the_old_one():
+    """SkyRL 0.4 imports FrontendArgs from vllm.entrypoints.launchers.cli_args; vLLM 0.26 (the GPU node's) has them in
+    vllm.entrypoints.openai.cli_args only. Played here with the new path blocked and a stand-in old module."""
+    code = ("import sys, types; from isoexec.rl.skyrl import compat\n"
+            "sys.modules['vllm.entrypoints.launchers.cli_args'] = None  # as on vLLM 0.26: no such module\n"
+            "old = types.ModuleType('vllm.entrypoints.openai.cli_args'); old.FrontendArgs = 'OLD'\n"
+            "sys.modules['vllm.entrypoints.openai.cli_args'] = old\n"
+            "try:\n    from vllm.entrypoints.launchers.cli_args import FrontendArgs\nexcept ImportError:\n"
+            "    print('BEFORE missing')\n"
+            "compat.frontend_args_at_skyrls_path()\n"
+            "from vllm.entrypoints.launchers.cli_args import FrontendArgs; print('AFTER', FrontendArgs)")
+    r = _fresh(code, {})
+    assert "BEFORE missing" in r.stdout and "AFTER OLD" in r.stdout, r.stderr[-3000:]

