@@ -93,14 +93,22 @@ REQUIRED_LOGPROBS_MODE = "raw_logits"
 
 def register() -> None:
     """``vllm.general_plugins`` entry point: register :data:`ARCH` and the renderer that range-checks
-    prompt token ids (``isoexec.engines.requests.RENDERER_MODE``), both lazily by qualified name."""
+    prompt token ids (``isoexec.engines.requests.RENDERER_MODE``), both lazily by qualified name.
+
+    The renderer mode is a tokenizer mode too: an engine that loads its tokenizer (vLLM's API server, as SkyRL's
+    servers run it; ``RolloutEngine`` skips it) looks the mode up in vLLM's tokenizer registry first
+    (``vllm/renderers/registry.py``, ``renderer_from_config``). It names vLLM's plain Hugging Face tokenizer, as
+    vLLM's own renderer-only modes do (``inkling`` in ``vllm/tokenizers/registry.py``, 0.26 and 0.32)."""
     from vllm import ModelRegistry
     from vllm.renderers.registry import RENDERER_REGISTRY
+    from vllm.tokenizers.registry import TokenizerRegistry
 
     if ARCH not in ModelRegistry.get_supported_archs():
         ModelRegistry.register_model(ARCH, "isoexec.engines.vllm_plugin:IsoExecForCausalLM")
     if "isoexec" not in RENDERER_REGISTRY.renderers:
         RENDERER_REGISTRY.register("isoexec", "isoexec.engines.requests", "IsoExecRenderer")
+    if "isoexec" not in TokenizerRegistry.tokenizers:
+        TokenizerRegistry.register("isoexec", "vllm.tokenizers.hf", "CachedHfTokenizer")
 
 
 def resolve(qualname: str) -> Any:

@@ -202,8 +202,11 @@ def skyrl_config(config: Path = typer.Option(..., help="experiment YAML with a s
 
 @app.command("skyrl-launch")
 def skyrl_launch(rendered: Path = typer.Option(..., help="overrides written by skyrl-config"),
+                 logical_gpus: int = typer.Option(0, min=0, help="GPUs to declare to SkyRL's local Ray node (0: what "
+                                                  "Ray detects); on a CPU host, or one GPU shared by the trainer and "
+                                                  "the vLLM server: their sum (compat item 3)"),
                  dry_run: bool = typer.Option(False, help="print the command and environment only")) -> None:
-    """Launch SkyRL's entry point with rendered overrides (GPU node).
+    """Launch SkyRL's entry point with rendered overrides (GPU node; with --logical-gpus also a CPU host).
 
     SkyRL's vLLM servers generate (isoexec mode: with the isoexec plugin); the trainer is isoexec's
     policy worker in isoexec mode and SkyRL's Megatron worker in native mode.
@@ -219,6 +222,8 @@ def skyrl_launch(rendered: Path = typer.Option(..., help="overrides written by s
     from isoexec.rl.skyrl.render import RECIPE_ENV, launch_command
 
     cmd = launch_command(yaml.safe_load(rendered.read_text()), python=sys.executable)
-    typer.echo(" ".join(f"{k}={v}" for k, v in RECIPE_ENV.items()) + " " + shlex.join(cmd))
+    env = {**RECIPE_ENV, **compat.launch_env(os.environ.get("PYTHONPATH")),
+           **(compat.logical_gpus_env(logical_gpus) if logical_gpus else {})}
+    typer.echo(" ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()) + " " + shlex.join(cmd))
     if not dry_run:
-        os.execvpe(cmd[0], cmd, {**os.environ, **RECIPE_ENV})
+        os.execvpe(cmd[0], cmd, {**os.environ, **env})

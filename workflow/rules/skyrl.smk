@@ -3,7 +3,9 @@
 # isoexec's policy worker (isoexec.rl.skyrl.recipe) against servers that build the isoexec architecture
 # (vLLM plugin entry point vllm.general_plugins: isoexec). Needs an experiment with a skyrl section, e.g.
 #   snakemake skyrl_recipe --configfile experiments/qwen35-35b-a3b-8xh100.yaml
-# Not part of reproduce; it cannot run on the CPU machines (CUDA, Transformer Engine, 8 GPUs).
+# Not part of reproduce; the 8-GPU recipe cannot run on the CPU machines (CUDA, Transformer Engine, 8 GPUs). Its
+# isoexec arm at world size 1 (experiments/recipe-ws1.yaml) does, launched by hand with logical GPUs:
+#   isoexec rl skyrl-launch --rendered <isoexec.skyrl.yaml> --logical-gpus 2   (docs/integration.md)
 
 
 rule skyrl_config:

@@ -5,7 +5,8 @@
 #   bash workflow/scripts/gpu_node.sh install          # park the carried parts (.gpu/site.tar.xz.*, rl.tar.*)
 #                                                      # in /tmp/parts; once all of one are there (its sha256
 #                                                      # matches), unpack the site tree to /tmp/site, then
-#                                                      # pip-install the RL stack (once per machine)
+#                                                      # pip-install the RL stack (once per machine); write
+#                                                      # isoexec's entry points (vLLM plugin) into the site tree
 #   bash workflow/scripts/gpu_node.sh start CMD...     # run CMD in the background in a snapshot of this copy
 #                                                      # (/tmp/job/src), with the stack's environment; its
 #                                                      # outputs go to /tmp/job/out (the job sees it as $JOB_OUT)
@@ -61,6 +62,9 @@ case "$cmd" in
       touch "$SITE/.rl"
       python3 -c "import ray, skyrl, datasets, snakemake; print('gpu_node: ray', ray.__version__, 'datasets', datasets.__version__)"
     fi
+    # the copy runs from PYTHONPATH, not pip-installed: its entry points (the vLLM plugin that SkyRL's vLLM servers
+    # need) as a distribution record in the site tree, which is on PYTHONPATH too (isoexec/engines/plugin_record.py)
+    if [ -f "$SITE/.complete" ]; then stack_env; python3 -m isoexec.engines.plugin_record "$SITE" || exit 1; fi
     [ -f "$SITE/.complete" ] && echo "gpu_node: $SITE is installed"
     [ -f "$SITE/.rl" ] && echo "gpu_node: the RL stack is installed"
     ;;

@@ -62,7 +62,7 @@ site() {
 # pyproject.toml's skyrl extra (torchdata without its torch pin: the node's torch), snakemake and datasets
 # of its analysis extra, and isoexec's CLI dependencies
 RL_STACK="ray==2.57.0 jaxtyping==0.3.11 omegaconf==2.3.1 hydra-core==1.3.4 cloudpathlib==0.26.0 orjson==3.13.0
-  loguru tqdm datasets==5.2.0 snakemake==9.27.1 typer rich pyyaml"
+  vllm-router==0.1.14 loguru tqdm datasets==5.2.0 snakemake==9.27.1 typer rich pyyaml"
 rl() {
   mkdir -p "$W/rl/whl" "$W/rl/sdist"
   python3 -m pip wheel -q --no-deps -w "$W/rl/sdist" func_timeout==4.3.5 antlr4-python3-runtime==4.9.3 connection_pool==0.0.3

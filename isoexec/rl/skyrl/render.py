@@ -288,7 +288,8 @@ def recipe_overrides(exp: ExperimentConfig, mode: str) -> dict[str, Any]:
             "trainer.placement.policy_num_gpus_per_node": s.num_gpus,
             "generator.inference_engine.num_engines": s.inference_engines,
             "generator.inference_engine.tensor_parallel_size": s.inference_tp,
-            "generator.inference_engine.engine_init_kwargs": {"logprobs_mode": "processed_logprobs"},
+            "generator.inference_engine.engine_init_kwargs": {"logprobs_mode": "processed_logprobs",
+                                                              **compat.server_engine_kwargs(exp.device)},
         }
     else:
         if exp.trainer.backend_for(mode) != "megatron":
@@ -302,15 +303,24 @@ def recipe_overrides(exp: ExperimentConfig, mode: str) -> dict[str, Any]:
         arm = {
             ENTRYPOINT_KEY: RECIPE_ENTRYPOINT,
             **trainer,
+            # else SkyRL exports NVTE_FUSED_ATTN=0 to its workers (prepare_runtime_environment), which megatron-core's
+            # attention backend "auto" refuses at model build; isoexec's trainer picks its own attention
+            "trainer.flash_attn": False,
             "trainer.policy.model_config_kwargs": worker_settings(exp, mode),
             "generator.inference_engine.num_engines": world,
             "generator.inference_engine.tensor_parallel_size": 1,
+            # a TP 1 server needs no Ray workers; vLLM's CPU platform refuses Ray's executor
+            "generator.inference_engine.distributed_executor_backend": "mp",
             "generator.inference_engine.enforce_eager": True,
             "generator.inference_engine.engine_init_kwargs": {
                 "logprobs_mode": REQUIRED_LOGPROBS_MODE,
                 "logits_processors": [GUARD],
                 "tokenizer_mode": RENDERER_MODE,
                 "worker_extension_cls": SERVER_EXTENSION,
+                # SkyRL sets vLLM's weight-transfer engine for its own sync, which the plugin refuses (weights
+                # would change outside the checked path); the isoexec arm syncs through SERVER_EXTENSION only
+                "weight_transfer_config": None,
+                **compat.server_engine_kwargs(exp.device),
                 "hf_overrides": {"architectures": [ARCH], "isoexec_model_factory": DEFAULT_FACTORY,
                                  "isoexec_kernels": exp.kernels.model_dump(mode="json")}},
         }
@@ -354,12 +364,15 @@ RECIPE_ENV = {"SKYRL_PYTHONPATH_EXPORT": "1"}
 """Environment of a recipe launch: SkyRL then forwards PYTHONPATH to its Ray workers (its
 ``prepare_runtime_environment``), so isoexec, and with it the vLLM plugin's module, is importable in
 SkyRL's vLLM server processes; vLLM loads the plugin there through the ``vllm.general_plugins``
-entry point of the installed isoexec."""
+entry point of the installed isoexec (or, with isoexec on PYTHONPATH only, of the distribution record
+:mod:`isoexec.engines.plugin_record` writes). Below Python 3.12 the launch adds
+:func:`isoexec.rl.skyrl.compat.launch_env` (compat item 1 in every process)."""
 
 
 def launch_command(overrides: dict[str, Any], python: str = "python") -> list[str]:
     """SkyRL's entry point with the overrides as ``key=value`` arguments (its CLI form); the
-    :data:`ENTRYPOINT_KEY` first and bare, as SkyRL's ``main`` reads it (the value after ``=`` is the module)."""
+    :data:`ENTRYPOINT_KEY` first and bare, as SkyRL's ``main`` reads it (the value after ``=`` is the module).
+    """
     from skyrl.train.config.config import overrides_dict_to_dotlist
 
     rest = {k: v for k, v in overrides.items() if k != ENTRYPOINT_KEY}

@@ -7,10 +7,14 @@ own in-process engine.
 
 from __future__ import annotations
 
-from skyrl.backends.skyrl_train.inference_servers.new_inference_worker_wrap import NewInferenceWorkerWrap
+from isoexec.rl.skyrl import compat
 
-from isoexec.engines.vllm_plugin import IsoExecWorkerExtension
-from isoexec.rl.skyrl.servers import JsonRpc
+compat.install()  # before the first skyrl import (compat item 1): vLLM's worker processes are no Ray workers
+
+from skyrl.backends.skyrl_train.inference_servers.new_inference_worker_wrap import NewInferenceWorkerWrap  # noqa: E402
+
+from isoexec.engines.vllm_plugin import IsoExecWorkerExtension  # noqa: E402
+from isoexec.rl.skyrl.servers import JsonRpc  # noqa: E402
 
 
 class IsoExecServerExtension(JsonRpc, IsoExecWorkerExtension, NewInferenceWorkerWrap):

@@ -64,6 +64,18 @@ class IsoExecServerClient(RemoteInferenceClient):
         """The same client (servers, router, settings) with this class's weight sync."""
         return cls(**{f.name: getattr(client, f.name) for f in dataclasses.fields(client) if f.init})
 
+    async def generate(self, input_batch, model: str | None = None):
+        """SkyRL's ``generate`` with the local driver's sampling boundary
+        (:func:`isoexec.rl.skyrl.client.check_sampling_params`): what the isoexec engine does not serve raises
+        ``ValueError`` naming it; ``min_tokens``, which SkyRL always sends as 1 (``get_vllm_sampling_params``,
+        ``inference_servers/engine_utils.py`` line 58, skyrl 0.4.0) and the server's request guard refuses
+        (masking EOS samples from another distribution than the policy), is sent as 0."""
+        from isoexec.rl.skyrl.client import check_sampling_params
+
+        params = dict(input_batch.get("sampling_params") or {})
+        check_sampling_params(params)
+        return await super().generate({**input_batch, "sampling_params": {**params, "min_tokens": 0}}, model)
+
     async def _rpc(self, method: str, **kwargs: Any) -> dict[str, list[Any]]:
         """``method`` on every worker of every server: ``{server url: [one result per worker]}``."""
         res = await self._call_all_servers("/collective_rpc", {"method": method, "kwargs": kwargs})
@@ -126,4 +138,9 @@ class IsoExecServerClient(RemoteInferenceClient):
         for results in res.values():
             for r in results:
                 verify_checksums(expected, r["checksums"])
+        from loguru import logger  # SkyRL's logger: this runs in SkyRL's trainer worker, whose log SkyRL keeps
+
+        logger.info(f"isoexec weight sync: contract handshake passed (numerical policy "
+                    f"{trainer.identities.numerical_policy}); {len(expected)} tensors, checksums verified on "
+                    f"{sum(len(r) for r in res.values())} worker(s) of {len(res)} vLLM server(s)")
         return expected

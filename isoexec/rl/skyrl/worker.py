@@ -50,7 +50,7 @@ from skyrl.backends.skyrl_train.distributed.strategy import DistributedStrategy
 from skyrl.backends.skyrl_train.workers.worker import PolicyWorkerBase
 
 from isoexec.config import ExperimentConfig
-from isoexec.rl.skyrl.compat import cpu_device_answers
+from isoexec.rl.skyrl.compat import cpu_device_answers, local_rank_on_present_gpus
 
 SETTINGS_KEY = "isoexec"
 """Key in ``trainer.policy.model_config_kwargs`` holding ``{"mode", "experiment", "threads"}`` (experiment as JSON)."""
@@ -210,6 +210,7 @@ class IsoExecPolicyWorker(PolicyWorkerBase):
         SkyRL's ``Worker.init_worker_process_group`` builds a ``("dp", "sp")`` mesh on ``"cuda"`` only.
         """
         cpu_device_answers()
+        local_rank_on_present_gpus()
         device = "cuda" if torch.cuda.is_available() else "cpu"
         if not dist.is_initialized():
             backend = "cpu:gloo,cuda:nccl" if device == "cuda" else "gloo"
