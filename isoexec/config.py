@@ -222,6 +222,12 @@ class RLSection(_Section):
     driver: Literal["skyrl", "loop"] = Field(
         "skyrl", description="skyrl: SkyRL's RayPPOTrainer (Ray started locally; isoexec.rl.skyrl); loop: the "
         "in-process loop (isoexec.rl.loop; hf / unified trainers, no dynamic sampling)")
+    interleave: Literal["step", "run"] | None = Field(
+        None, description="how `isoexec rl paired` alternates a seed's arms: step: step k of every arm, then step "
+        "k+1 (each arm on engines and trainer workers of its own, alive at once; SkyRL driver only), so that a slow "
+        "stretch of the machine lands on every arm alike; run: each arm's whole run, one after the other; unset: "
+        "step under the SkyRL driver on cpu, run under the loop and on cuda (step there is unmeasured: every "
+        "arm's engines and trainer on the node's GPUs at once)")
     steps: PositiveInt = Field(20, description="RL steps per run (at least one: every mode x seed is a run)")
     seeds: list[NonNegativeInt] = Field([0, 1], min_length=1)
     modes: list[Literal["native", "isoexec"]] = Field(["native", "isoexec"], min_length=1)
@@ -433,6 +439,11 @@ class ExperimentConfig(_Section):
     arms: list[ArmSection] = Field([], description="arms beyond rl.modes: a mode's stack with SkyRL's "
                                    "off-policy correction (isoexec.rl.arms)")
 
+    @property
+    def interleave(self) -> str:
+        """``rl.interleave``, or its default: ``step`` under the SkyRL driver on cpu, else ``run``."""
+        return self.rl.interleave or ("step" if self.rl.driver == "skyrl" and self.device == "cpu" else "run")
+
     @model_validator(mode="after")
     def _cross_checks(self) -> "ExperimentConfig":
         problems = []
@@ -475,6 +486,9 @@ class ExperimentConfig(_Section):
         if self.rl.driver == "skyrl" and self.engine.backend != "vllm":
             problems.append(f"rl.driver='skyrl' generates with the vLLM engine (engine.backend={self.engine.backend!r}); "
                             "use engine.backend: vllm or rl.driver: loop")
+        if self.rl.driver == "loop" and self.rl.interleave == "step":
+            problems.append("rl.interleave='step' runs the arms' SkyRL trainers in turns: only the SkyRL driver "
+                            "runs it (rl.driver: skyrl), the loop runs whole runs (rl.interleave: run)")
         if self.rl.driver == "loop" and self.rl.dynamic_sampling:
             problems.append("rl.dynamic_sampling=true resamples prompts until the step is full: only the SkyRL "
                             "driver runs it (rl.driver: skyrl)")

@@ -45,6 +45,9 @@ def test_shipped_experiments_load(name):
         ("trainer: {backend: {native: hf}}", "no entry for mode 'isoexec'"),
         ("trainer: {backend: megatronn}", "backend"),
         ("engine: {backend: sglang}", "backend"),
+        ("rl: {interleave: steps}", "rl.interleave='steps': Input should be 'step' or 'run'"),
+        ("rl: {driver: loop, interleave: step}", "rl.interleave='step' runs the arms' SkyRL trainers in turns: only "
+         "the SkyRL driver runs it"),
         # settings one arm of a paired run cannot honour
         ("model: {tie_word_embeddings: true}", "model.tie_word_embeddings=true cannot be honoured by the native arm"),
         ("engine: {enable_prefix_caching: true}", "engine.enable_prefix_caching=true cannot be honoured by the isoexec arm"),
@@ -144,3 +147,11 @@ def test_trainer_cp_outside_the_proven_domain_or_in_native_mode_is_refused_at_lo
     with pytest.raises(ValueError, match=r"mode native: trainer.cp=2: .*no context parallelism.*run mode native at "
                                          r"cp=1"):
         load_config(_write(tmp_path, body.replace("\n  tp: 2\n", "\n  tp: 2\n  cp: 2\n")))
+
+
+def test_interleave_defaults_to_steps_under_skyrl_on_cpu_and_runs_elsewhere(tmp_path):
+    assert load_config(_write(tmp_path, "name: t\n")).interleave == "step"
+    assert load_config(_write(tmp_path, "name: t\nrl: {driver: loop}\n")).interleave == "run"
+    assert load_config(_write(tmp_path, "name: t\nrl: {interleave: run}\n")).interleave == "run"
+    assert load_config("experiments/h200-rl.yaml").interleave == "run"  # cuda: unmeasured there
+    assert load_config("experiments/cpu-tiny.yaml").interleave == "step"

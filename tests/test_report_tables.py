@@ -174,6 +174,19 @@ def test_bootstrap_interval_spans_the_seeds_and_is_reproducible():
     assert all(math.isnan(x) for x in tables.bootstrap_interval([(noisy[:1], base[:1])]))
 
 
+def test_bootstrap_resamples_step_pairs_so_a_drift_shared_by_both_arms_cancels():
+    # the machine drifts step by step (both arms alike, as when they alternate step by step) and the arm is
+    # exactly 1.1x native at every step: resampling (arm, native) pairs of one step index keeps 1.1 exactly
+    rng = np.random.default_rng(0)
+    drift = [rng.uniform(1.0, 3.0, 50) for _ in range(3)]
+    paired = [(1.1 * d, d) for d in drift]
+    assert tables.bootstrap_interval(paired) == pytest.approx((1.1, 1.1))
+    # negative control: the same times with the pairs broken (arm's steps shuffled) give a wide interval
+    broken = [(rng.permutation(a), b) for a, b in paired]
+    lo, hi = tables.bootstrap_interval(broken)
+    assert hi - lo > 0.1
+
+
 def test_reward_window_is_ten_steps_or_half_a_short_run(exp_dir):
     native = _row(tables.summarize(load_metrics(exp_dir)), "native")
     # 3 steps: one step at each end (seed 0: 0.1 -> 0.3, seed 1: 0.3 -> 0.5), not the whole run twice

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from isoexec.config import ArmSection, ExperimentConfig, OffPolicyCorrection, RLSection
-from isoexec.rl.arms import arm_names, arms, find_arm, schedule
+from isoexec.rl.arms import arm_names, arms, find_arm, schedule, seed_rounds
 
 TIS = ArmSection(name="native-tis", mode="native")
 EXP = ExperimentConfig(name="t", rl=RLSection(seeds=[0, 1, 2, 3]), arms=[TIS])
@@ -30,6 +30,13 @@ def test_schedule_runs_each_seeds_arms_back_to_back_turning_the_order():
     # every arm takes every place once per len(arms) seeds, and every (arm, seed) runs exactly once
     assert sorted(order) == sorted((a, s) for a in arm_names(EXP) for s in EXP.rl.seeds)
     assert [o[0] for o in order[::3]] == ["native", "isoexec", "native-tis", "native"]
+
+
+def test_seed_rounds_give_each_seed_its_arms_in_the_turned_order_the_schedule_runs():
+    rounds = [(s, [a.name for a in seed_arms]) for s, seed_arms in seed_rounds(EXP)]
+    assert rounds == [(0, ["native", "isoexec", "native-tis"]), (1, ["isoexec", "native-tis", "native"]),
+                      (2, ["native-tis", "native", "isoexec"]), (3, ["native", "isoexec", "native-tis"])]
+    assert [(a.name, s) for a, s in schedule(EXP)] == [(a, s) for s, names in rounds for a in names]
 
 
 def test_skyrl_overrides_name_the_correction_or_turn_it_off():

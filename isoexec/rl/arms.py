@@ -9,9 +9,10 @@ in ``skyrl/backends/skyrl_train/utils/off_policy_correction_utils.py`` applies i
 loss). An arm's runs go to ``results/<exp>/rl/<arm>/seed<k>/``; the tables and figures have one row
 or line per arm.
 
-The paired job (:func:`schedule`) runs every (arm, seed) in one process, seed after seed, each seed's
-arms back to back, so that a drift of the machine lands on every arm of a seed alike; the arms' order
-turns by one place from one seed to the next, so that no arm always runs first or last.
+The paired job (:func:`seed_rounds`) runs every (arm, seed) in one process, seed after seed; within a
+seed the arms alternate step by step (``rl.interleave: step``: step k of every arm, then step k+1, so that
+a slow stretch of the machine lands on neighbouring steps of every arm) or run back to back (``run``).
+The arms' order turns by one place from one seed to the next, so that no arm always goes first or last.
 """
 
 from __future__ import annotations
@@ -63,15 +64,22 @@ def find_arm(cfg: ExperimentConfig, name: str) -> Arm:
     raise ValueError(f"arm {name!r} is not an arm of experiment {cfg.name!r}; its arms: {', '.join(arm_names(cfg))}")
 
 
-def schedule(cfg: ExperimentConfig) -> list[tuple[Arm, int]]:
-    """The (arm, seed) runs of the paired job in the order it runs them.
+def seed_rounds(cfg: ExperimentConfig) -> list[tuple[int, list[Arm]]]:
+    """Per seed of ``rl.seeds`` (in order), its arms in the order they run: :func:`arms` order turned left
+    by i places for the i-th seed (three arms A, B, C and seeds 0, 1, 2: A B C, B C A, C A B).
 
-    Seeds in ``rl.seeds`` order; within the i-th seed every arm once, in :func:`arms` order turned
-    left by i places (three arms A, B, C and seeds 0, 1, 2: A0 B0 C0, B1 C1 A1, C2 A2 B2).
+    ``rl.interleave: run`` runs a seed's arms one after the other in this order; ``step`` runs step k of
+    each in this order, then step k+1 (:mod:`isoexec.rl.skyrl.turns`).
     """
     all_arms = arms(cfg)
     out = []
     for i, seed in enumerate(cfg.rl.seeds):
         k = i % len(all_arms)
-        out += [(a, seed) for a in all_arms[k:] + all_arms[:k]]
+        out.append((seed, all_arms[k:] + all_arms[:k]))
     return out
+
+
+def schedule(cfg: ExperimentConfig) -> list[tuple[Arm, int]]:
+    """The (arm, seed) runs of the paired job in the order they start (:func:`seed_rounds`, flattened:
+    A0 B0 C0, B1 C1 A1, C2 A2 B2)."""
+    return [(a, seed) for seed, seed_arms in seed_rounds(cfg) for a in seed_arms]

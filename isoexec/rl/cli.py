@@ -154,9 +154,10 @@ def paired(config: Path = typer.Option(..., help="experiment YAML"),
            steps: int | None = _STEPS,
            driver: str | None = _DRIVER,
            threads: int = _THREADS) -> None:
-    """Every arm and seed of the experiment in one process, interleaved: each seed's arms back to back,
-    their order turned by one place per seed (isoexec.rl.arms.schedule), so that machine drift lands on
-    every arm of a seed alike. Under SkyRL the runs share Ray, the engines and the trainer workers."""
+    """Every arm and seed of the experiment in one process, interleaved: seed after seed, each seed's arms
+    alternating step by step (rl.interleave: step, SkyRL only) or run after run (run), their order turned
+    by one place per seed (isoexec.rl.arms.seed_rounds), so that machine drift lands on every arm of a seed
+    alike. Under SkyRL the runs share Ray; each arm keeps its engines and trainer workers across seeds."""
     from isoexec.rl.arms import schedule
 
     cfg = _run_config(config, init, steps, driver)

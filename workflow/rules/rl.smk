@@ -1,14 +1,16 @@
 # Paired RL runs (docs/design.md, The experiments): every arm (the modes and the arms section: isoexec.rl.arms) and seed,
-# all from the same SFT checkpoint, in ONE job: `isoexec rl paired` runs each seed's arms back to back,
-# their order turned by one place per seed (seed 0: native isoexec native-tis; seed 1: isoexec
-# native-tis native; ...), so that a drift of the machine lands on every arm of a seed alike and the
-# paired overheads cancel it. The runs share Ray, the engine actors and the trainer workers (the
-# start-up is paid once, not per run). The job takes every core, so timed runs never share the machine.
-# An interrupted job reruns every run.
+# all from the same SFT checkpoint, in ONE job: `isoexec rl paired` runs the seeds one after the other and,
+# within a seed, alternates its arms STEP BY STEP (rl.interleave: step, the default under SkyRL on cpu): step k of
+# every arm, then step k+1, in an order turned by one place per seed (seed 0: native isoexec native-tis;
+# seed 1: isoexec native-tis native; ...), so that a slow stretch of the machine lands on neighbouring steps
+# of every arm and the overheads, paired per step, cancel it (rl.interleave: run runs each arm's whole run
+# in turn instead). Each arm keeps its own engine actors and trainer workers across the seeds, all alive at
+# once (the start-up is paid once per arm, not per run). The job takes every core, so timed runs never
+# share the machine. An interrupted job reruns every run.
 
 
 rule rl_paired:
-    """GRPO/DAPO for rl.steps steps of every arm and seed, interleaved; per-step metrics and provenance."""
+    """GRPO/DAPO for rl.steps steps of every arm and seed, the arms of a seed alternating step by step; per-step metrics and provenance."""
     input:
         init=f"{RUNS}/model/sft",
     output:

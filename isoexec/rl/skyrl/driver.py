@@ -21,8 +21,10 @@ Pieces, all plugged into SkyRL's extension points (no SkyRL file is edited):
   after SkyRL's policy forward), and :class:`MetricsCallback` (a SkyRL ``TrainingCallback``) writing
   one ``metrics.jsonl`` row per step under the plain loop's names (:mod:`isoexec.rl.metrics`).
 
-- :class:`Session`: Ray, the engine actors and the policy worker group of a series of runs in one
-  process (the paired job, :func:`run_paired`), started by the first run and kept by the later ones:
+- :class:`Session`: Ray and the :class:`Stack` s of a series of runs in one process (the paired job,
+  :func:`run_paired`). A stack is one arm's engine actors and policy worker group, started by its first
+  run and kept by the later ones (``rl.interleave: run``: one stack for every run; ``step``: one per arm,
+  alive at once, the arms of a seed stepping in turns, :mod:`isoexec.rl.skyrl.turns`):
   each engine actor switches its engine only when the run's mode or engine settings differ
   (:meth:`~isoexec.rl.skyrl.engine_actor.EngineActor.restart`), and each worker rebuilds its trainer and
   optimizer from the run's checkpoint under the run's SkyRL config (:meth:`IsoExecPPOTrainer.reuse_models`).
@@ -59,7 +61,7 @@ from isoexec.engines.weight_sync import check_weights_at_load
 from isoexec.io import atomic_write_json
 from isoexec.provenance import provenance
 from isoexec.rl import metrics
-from isoexec.rl.arms import Arm, find_arm, schedule
+from isoexec.rl.arms import Arm, find_arm, schedule, seed_rounds
 from isoexec.rl.skyrl import compat
 
 compat.install()  # before the first skyrl import (compat item 1)
@@ -76,6 +78,7 @@ from isoexec.rl.skyrl.client import IsoExecInferenceClient  # noqa: E402
 from isoexec.rl.skyrl.engine_actor import EngineActor  # noqa: E402
 from isoexec.rl.skyrl.env import register, write_train_data  # noqa: E402
 from isoexec.rl.skyrl.render import build, local_overrides  # noqa: E402
+from isoexec.rl.skyrl.turns import StepTurns, TurnCallback, run_in_turns  # noqa: E402
 from isoexec.rl.skyrl.worker import IsoExecPolicyWorker  # noqa: E402
 
 log = logging.getLogger(__name__)
@@ -209,16 +212,16 @@ class IsoExecPPOExp(BasePPOExp):
         cfg: SkyRL config from :func:`isoexec.rl.skyrl.render.build`.
         exp, arm, seed: the isoexec experiment, the arm and the seed of this run.
         metrics_path: the ``metrics.jsonl`` to write.
-        session: the :class:`Session` whose engine actors and worker group the run takes (or starts).
+        stack: the :class:`Stack` whose engine actors and worker group the run takes (or starts).
         engine_exp: the experiment as the engine sees it (default ``exp``; tests pass another one to
             check that the contract handshake refuses the run).
     """
 
-    def __init__(self, cfg, exp: ExperimentConfig, arm: Arm, seed: int, metrics_path: Path, session: "Session",
+    def __init__(self, cfg, exp: ExperimentConfig, arm: Arm, seed: int, metrics_path: Path, stack: "Stack",
                  engine_exp: ExperimentConfig | None = None,
                  on_load: Callable[[dict[str, Any]], None] | None = None):
         self.exp, self.arm, self.seed, self.metrics_path = exp, arm, seed, metrics_path
-        self.session = session
+        self.stack = stack
         self.engine_exp = engine_exp or exp
         self.on_load = on_load
         super().__init__(cfg)
@@ -228,10 +231,10 @@ class IsoExecPPOExp(BasePPOExp):
                              max_prompt_length=self.cfg.trainer.max_prompt_length, num_workers=1)
 
     def get_inference_client(self) -> IsoExecInferenceClient:
-        """The session's engine actors, (re)started for this run without waiting for them: they load while
-        the trainer's workers start, and :meth:`run` waits for both before the first step."""
+        """The stack's engine actors, (re)started for this run without waiting for them: they load while
+        the trainer's workers start, and :meth:`prepare` waits for both before the first step."""
         path = self.cfg.trainer.policy.model.path
-        actors = self.session.engines(path, self.arm.mode, self.engine_exp, self.seed)
+        actors = self.stack.engines(path, self.arm.mode, self.engine_exp, self.seed)
         return IsoExecInferenceClient(actors, path, path)
 
     def get_trainer(self, cfg, tracker, tokenizer, train_dataset, eval_dataset, inference_engine_client,
@@ -240,8 +243,9 @@ class IsoExecPPOExp(BasePPOExp):
                                  eval_dataset=eval_dataset, inference_engine_client=inference_engine_client,
                                  generator=generator, colocate_pg=colocate_pg, exp=self.exp, seed=self.seed)
 
-    def run(self) -> IsoExecPPOTrainer:
-        """Build (hooks + isoexec's worker, or the session's group) and train; returns the trainer."""
+    def prepare(self) -> IsoExecPPOTrainer:
+        """Build (hooks + isoexec's worker, or the stack's group) up to the first step: the engines are up and
+        hold the trainer's weights at load (checked). Returns the trainer (``self.trainer``); ``train()`` runs it."""
         register()
         tracker = self.get_tracker()
         client = self.get_inference_client()
@@ -251,66 +255,40 @@ class IsoExecPPOExp(BasePPOExp):
         self.metrics = MetricsCallback(self.metrics_path, self.arm, self.seed)
         trainer.add_callback(self.metrics)
         self.trainer = trainer
-        if self.session.group is None:
+        if self.stack.group is None:
             trainer.build_models(ray.remote(IsoExecPolicyWorker), None, None)
-            self.session.group = trainer.policy_model
+            self.stack.group = trainer.policy_model
         else:
-            trainer.reuse_models(self.session.group)
-        engines = self.session.engines_ready()  # the engines are up (or an engine's error surfaces here)
+            trainer.reuse_models(self.stack.group)
+        engines = self.stack.engines_ready()  # the engines are up (or an engine's error surfaces here)
         infos = trainer.policy_model.actor_infos  # every rank joins the gather; rank 0's copy is compared
         held = ray.get([a.handle.isoexec_load_checksums.remote() for a in infos])
         trained = next(h for a, h in zip(infos, held) if a.rank.is_collection_dp_rank())
         loaded = [check_weights_at_load(e["load_checksums"], trained) for e in engines]  # refused on any difference
         if self.on_load is not None:
             self.on_load({"engine": [x["engine"] for x in loaded], "trainer": loaded[0]["trainer"]})
-        asyncio.run(trainer.train())
         return trainer
 
 
-class Session:
-    """Ray, the engine actors and the policy worker group shared by a series of runs in this process.
+class Stack:
+    """The engine actors and the policy worker group that one arm's runs of a :class:`Session` take, one
+    run at a time: started by the first run, kept by the later ones (see the module docstring).
 
     Args:
-        config: the experiment; its trainer world size (the same for every run of the session, see
-            :meth:`fits`) sizes Ray's logical GPUs.
-        mode: the mode whose trainer world size the session's worker group has.
-        threads: torch threads of the engine and trainer processes.
-
-    Starts Ray locally (``max(2, world)`` CPUs, one GPU per trainer rank: logical on a CPU host, and on a CUDA
-    host every actor sees the node's GPUs, :data:`~isoexec.rl.skyrl.compat.CUDA_ACTOR_ENV`; :mod:`~isoexec.rl.skyrl.compat`)
-    unless Ray is already initialized; :meth:`close` ends the actors, and Ray if the session started it.
+        world: trainer ranks of its worker group (every run on it trains on this many).
+        threads: torch threads of the engine processes.
     """
 
-    def __init__(self, config: ExperimentConfig, mode: str, threads: int = 1):
-        self.world = config.trainer.world_size(mode)
-        self.threads = threads
+    def __init__(self, world: int, threads: int = 1):
+        self.world, self.threads = world, threads
         self.group = None  # SkyRL's PPORayActorGroup of IsoExecPolicyWorker, from the first run
-        self.runs = 0  # runs started so far (each run's provenance records its index as session_run)
         self._engines: list = []
         self._engine_key: tuple | None = None
         self._pending: list = []
-        self.started_ray = not ray.is_initialized()
-        if self.started_ray:
-            env = {k: os.environ[k] for k in ("PYTHONPATH", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE",
-                                              "VLLM_CPU_KVCACHE_SPACE", "VLLM_ENABLE_V1_MULTIPROCESSING", "LD_PRELOAD")
-                   if k in os.environ}
-            if config.device == "cuda":
-                env.update(compat.CUDA_ACTOR_ENV)
-            ray.init(**compat.ray_init_kwargs(num_cpus=max(2, self.world), num_trainer_gpus=self.world, env_vars=env))
-
-    def __enter__(self) -> "Session":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def fits(self, config: ExperimentConfig, mode: str) -> bool:
-        """Whether a run of ``mode`` can take this session's worker group (same trainer world size)."""
-        return config.trainer.world_size(mode) == self.world
 
     def engines(self, checkpoint: str, mode: str, engine_exp: ExperimentConfig, seed: int) -> list:
         """``engine.num_engines`` engine actors on ``checkpoint`` in ``mode`` for a run of ``seed``: the
-        session's, restarted (:meth:`EngineActor.restart`), or new ones where there are none or they run
+        stack's, restarted (:meth:`EngineActor.restart`), or new ones where there are none or they run
         another checkpoint or another number of engines. Does not wait; :meth:`engines_ready` does."""
         n = engine_exp.engine.num_engines
         config_json = engine_exp.model_dump_json()
@@ -327,40 +305,140 @@ class Session:
     def engines_ready(self) -> list[dict[str, Any]]:
         """Wait until the engines started or restarted by :meth:`engines` are up (raises an engine's error);
         returns each engine's :meth:`EngineActor.info`. An engine kept from an earlier run reports the
-        checksums of its load of the same checkpoint (the session keeps engines only on one checkpoint);
+        checksums of its load of the same checkpoint (the stack keeps engines only on one checkpoint);
         what it holds since is replaced by the run's first checked weight sync, before any generation."""
         pending, self._pending = self._pending, []
         ray.get(pending)
         return ray.get([a.info.remote() for a in self._engines])
 
-    def run(self, config: ExperimentConfig, arm: Arm, seed: int, init_dir: str | Path, out_dir: Path, steps: int,
-            command: str | None = None, engine_config: ExperimentConfig | None = None) -> list[dict[str, Any]]:
-        """One run (``arm``, ``seed``) of ``steps`` steps; writes ``out_dir/{provenance.json,metrics.jsonl}``
-        (the provenance again at the end, with the run's ``wall_s`` and ``outside_steps_s``: its seconds
-        outside the steps, i.e. start-up and the first weight sync).
+    def _end_engines(self) -> None:
+        for a in self._engines:
+            ray.kill(a)
+        self._engines, self._engine_key, self._pending = [], None, []
+
+    def close(self) -> None:
+        """End the engine actors and the worker group."""
+        self._end_engines()
+        if self.group is not None:
+            for a in self.group._actor_handlers:
+                ray.kill(a)
+            self.group = None
+
+
+class PreparedRun:
+    """A run of a :class:`Session` built up to its first step (:meth:`Session.prepare`): :meth:`train`
+    runs its steps, :meth:`finish` records its times and returns its rows; :meth:`close` (always) drops its
+    scratch folder."""
+
+    def __init__(self, exp: IsoExecPPOExp, prov: dict[str, Any], out_dir: Path, scratch: tempfile.TemporaryDirectory,
+                 t0: float):
+        self.exp, self.prov, self.out_dir, self.scratch, self.t0 = exp, prov, out_dir, scratch, t0
+
+    def train(self) -> None:
+        """SkyRL's training loop (``RayPPOTrainer.train``) of this run, in an event loop of its own."""
+        asyncio.run(self.exp.trainer.train())
+
+    def finish(self, waited_s: float = 0.0) -> list[dict[str, Any]]:
+        """Write the provenance again with the run's ``wall_s``, ``waited_s`` (seconds it waited for the other
+        arms' steps, ``rl.interleave: step``) and ``outside_steps_s`` (its own seconds outside its steps and
+        the waits: start-up and the first weight sync); returns the metrics rows."""
+        rows = self.exp.metrics.log.rows
+        wall = time.perf_counter() - self.t0
+        self.prov["run"].update(wall_s=wall, waited_s=waited_s,
+                                outside_steps_s=wall - waited_s - sum(r["time/step"] for r in rows))
+        atomic_write_json(self.out_dir / "provenance.json", self.prov)
+        return rows
+
+    def close(self) -> None:
+        self.scratch.cleanup()
+
+
+class Session:
+    """Ray and the :class:`Stack` s (engine actors, policy worker group) shared by a series of runs in this process.
+
+    Args:
+        config: the experiment (its trainer world size per mode).
+        modes: the mode of each stack the session may hold at once: one (a series of runs on one stack; its
+            world size is the session's, :meth:`fits`) or one per arm (``rl.interleave: step``, every arm's
+            stack alive and stepping in turns). Their trainer world sizes sum to Ray's logical GPUs.
+        threads: torch threads of the engine and trainer processes.
+
+    Starts Ray locally (``max(2, GPUs)`` CPUs, one GPU per trainer rank of every stack: logical on a CPU host,
+    and on a CUDA host every actor sees the node's GPUs, :data:`~isoexec.rl.skyrl.compat.CUDA_ACTOR_ENV`;
+    :mod:`~isoexec.rl.skyrl.compat`) unless Ray is already initialized; :meth:`close` ends the actors, and Ray
+    if the session started it.
+    """
+
+    def __init__(self, config: ExperimentConfig, modes: str | list[str], threads: int = 1):
+        modes = [modes] if isinstance(modes, str) else list(modes)
+        self.world = config.trainer.world_size(modes[0])
+        self.threads = threads
+        self.trainer_gpus = sum(config.trainer.world_size(m) for m in modes)
+        self.stacks: dict[str, Stack] = {}
+        self.runs = 0  # runs started so far (each run's provenance records its index as session_run)
+        self.started_ray = not ray.is_initialized()
+        if self.started_ray:
+            env = {k: os.environ[k] for k in ("PYTHONPATH", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE",
+                                              "VLLM_CPU_KVCACHE_SPACE", "VLLM_ENABLE_V1_MULTIPROCESSING", "LD_PRELOAD")
+                   if k in os.environ}
+            if config.device == "cuda":
+                env.update(compat.CUDA_ACTOR_ENV)
+            n = self.trainer_gpus
+            ray.init(**compat.ray_init_kwargs(num_cpus=max(2, n), num_trainer_gpus=n, env_vars=env))
+
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def fits(self, config: ExperimentConfig, mode: str) -> bool:
+        """Whether a run of ``mode`` can take this session's worker groups (same trainer world size)."""
+        return config.trainer.world_size(mode) == self.world
+
+    def stack(self, name: str, world: int) -> Stack:
+        """The stack called ``name`` for runs on ``world`` trainer ranks (new if the session has none of that name).
 
         Raises:
-            ValueError: the run's trainer world size is not the session's (:meth:`fits`).
-            isoexec.contract.ContractMismatch: isoexec mode, the engine's and the trainer's contracts
-                differ (raised at the first weight sync, before training; surfaced through Ray).
-            isoexec.engines.weight_sync.WeightSyncError: an engine and the trainer hold different weights at
-                load (before the first step; ``provenance.json`` records both sides' checksums when they agree,
-                under ``weights_at_load``).
+            ValueError: the stack trains on another world size, or a new stack's ranks would exceed the
+                trainer GPUs the session declared to Ray (its ``modes``).
         """
-        if not self.fits(config, arm.mode):
-            raise ValueError(f"arm {arm.name} trains on {config.trainer.world_size(arm.mode)} ranks, this session's "
-                             f"worker group has {self.world}: run it in a session of its own")
+        if name not in self.stacks:
+            used = sum(s.world for s in self.stacks.values())
+            if used + world > self.trainer_gpus:
+                raise ValueError(f"a stack of {world} trainer ranks ({name}) does not fit beside {used} ranks in a "
+                                 f"session sized for {self.trainer_gpus}: run it in a session of its own")
+            self.stacks[name] = Stack(world, self.threads)
+        s = self.stacks[name]
+        if s.world != world:
+            raise ValueError(f"a run on {world} trainer ranks cannot take stack {name}, whose worker group has "
+                             f"{s.world}: run it in a session of its own")
+        return s
+
+    def prepare(self, config: ExperimentConfig, arm: Arm, seed: int, init_dir: str | Path, out_dir: Path, steps: int,
+                command: str | None = None, engine_config: ExperimentConfig | None = None, stack: str = "main",
+                interleave: str = "run") -> PreparedRun:
+        """Build the run (``arm``, ``seed``) of ``steps`` steps on stack ``stack`` up to its first step;
+        writes ``out_dir/provenance.json`` (``run.interleave`` records ``interleave``).
+
+        Raises:
+            ValueError: the run's trainer world size is not the stack's (:meth:`stack`).
+            isoexec.engines.weight_sync.WeightSyncError: an engine and the trainer hold different weights at
+                load (``provenance.json`` records both sides' checksums when they agree, under ``weights_at_load``).
+        """
+        the_stack = self.stack(stack, config.trainer.world_size(arm.mode))
         out_dir.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(prefix="isoexec-skyrl-") as scratch:
-            data = write_train_data(config.task, Path(scratch) / "train.parquet")
-            overrides = {**local_overrides(config, arm.mode, seed, init_dir, data, scratch, steps, self.threads),
+        scratch = tempfile.TemporaryDirectory(prefix="isoexec-skyrl-")
+        try:
+            data = write_train_data(config.task, Path(scratch.name) / "train.parquet")
+            overrides = {**local_overrides(config, arm.mode, seed, init_dir, data, scratch.name, steps, self.threads),
                          **arm.skyrl_overrides(), "trainer.run_name": f"{config.name}-{arm.name}-seed{seed}"}
             cfg = build(overrides)
             prov = provenance(command)
             prov["run"] = {"arm": arm.name, "mode": arm.mode, "seed": seed, "init": str(init_dir), "steps": steps,
                            "driver": "skyrl", "engine": "EngineActor(RolloutEngine)",
                            "engines": config.engine.num_engines, "trainer": "IsoExecPolicyWorker",
-                           "torch_num_threads": self.threads, "session_run": self.runs}
+                           "torch_num_threads": self.threads, "session_run": self.runs, "interleave": interleave}
             prov["skyrl_overrides"] = {k: v for k, v in overrides.items() if k != "trainer.policy.model_config_kwargs"}
             atomic_write_json(out_dir / "provenance.json", prov)
             self.runs += 1
@@ -370,29 +448,62 @@ class Session:
                 prov["weights_at_load"] = res
                 atomic_write_json(out_dir / "provenance.json", prov)
 
-            exp = IsoExecPPOExp(cfg, config, arm, seed, out_dir / "metrics.jsonl", self, engine_exp=engine_config,
-                                on_load=weights_at_load)
-            exp.run()
-            rows = exp.metrics.log.rows
-            # the run's wall time and what of it lies outside its steps (start-up: processes or rebuilds, the
-            # first sync), written when the run ends
-            wall = time.perf_counter() - t0
-            prov["run"].update(wall_s=wall, outside_steps_s=wall - sum(r["time/step"] for r in rows))
-            atomic_write_json(out_dir / "provenance.json", prov)
-            return rows
+            exp = IsoExecPPOExp(cfg, config, arm, seed, out_dir / "metrics.jsonl", the_stack,
+                                engine_exp=engine_config, on_load=weights_at_load)
+            exp.prepare()
+            return PreparedRun(exp, prov, out_dir, scratch, t0)
+        except BaseException:
+            scratch.cleanup()
+            raise
 
-    def _end_engines(self) -> None:
-        for a in self._engines:
-            ray.kill(a)
-        self._engines, self._engine_key, self._pending = [], None, []
+    def run(self, config: ExperimentConfig, arm: Arm, seed: int, init_dir: str | Path, out_dir: Path, steps: int,
+            command: str | None = None, engine_config: ExperimentConfig | None = None) -> list[dict[str, Any]]:
+        """One run (``arm``, ``seed``) of ``steps`` steps on the session's one stack, alone; writes
+        ``out_dir/{provenance.json,metrics.jsonl}`` (the provenance again at the end: :meth:`PreparedRun.finish`).
+
+        Raises:
+            ValueError, isoexec.engines.weight_sync.WeightSyncError: see :meth:`prepare`.
+            isoexec.contract.ContractMismatch: isoexec mode, the engine's and the trainer's contracts
+                differ (raised at the first weight sync, before training; surfaced through Ray).
+        """
+        run = self.prepare(config, arm, seed, init_dir, out_dir, steps, command, engine_config)
+        try:
+            run.train()
+            return run.finish()
+        finally:
+            run.close()
+
+    def run_seed_in_turns(self, config: ExperimentConfig, arms: list[Arm], seed: int, init_dir: str | Path,
+                     rl_dir: Path, steps: int, command: str | None = None) -> dict[str, list[dict[str, Any]]]:
+        """The runs of ``arms`` for ``seed`` stepping in turns (``rl.interleave: step``; :mod:`~isoexec.rl.skyrl.turns`):
+        step k of every arm in ``arms`` order, then step k+1. Each arm runs on the stack of its name, built
+        one after the other up to the first step; each writes ``rl_dir/<arm>/seed<k>/``.
+
+        Returns:
+            ``arm name -> metrics rows``.
+
+        Raises:
+            the first failing arm's error (the other arms stop at their next turn); see :meth:`run`.
+        """
+        prepared: list[PreparedRun] = []
+        try:
+            for arm in arms:
+                prepared.append(self.prepare(config, arm, seed, init_dir, rl_dir / arm.name / f"seed{seed}", steps,
+                                             command, stack=arm.name, interleave="step"))
+            turns = StepTurns([a.name for a in arms])
+            for arm, run in zip(arms, prepared):
+                run.exp.trainer.add_callback(TurnCallback(turns, arm.name))  # after MetricsCallback: rows first
+            run_in_turns(turns, [run.train for run in prepared])
+            return {arm.name: run.finish(turns.waited_s[arm.name]) for arm, run in zip(arms, prepared)}
+        finally:
+            for run in prepared:
+                run.close()
 
     def close(self) -> None:
-        """End the engine actors and the worker group, and Ray if the session started it."""
-        self._end_engines()
-        if self.group is not None:
-            for a in self.group._actor_handlers:
-                ray.kill(a)
-            self.group = None
+        """End every stack's engine actors and worker group, and Ray if the session started it."""
+        for s in self.stacks.values():
+            s.close()
+        self.stacks = {}
         gc.collect()
         if self.started_ray:
             ray.shutdown()
@@ -428,13 +539,25 @@ def run_paired(config: ExperimentConfig, init_dir: str | Path, rl_dir: str | Pat
                command: str | None = None, threads: int = 1) -> dict[tuple[str, int], list[dict[str, Any]]]:
     """Every (arm, seed) of the experiment in :func:`isoexec.rl.arms.schedule`'s order, in this process.
 
-    The runs share one :class:`Session` (a run whose trainer world size differs from the session's
-    starts a new one). Each run writes ``rl_dir/<arm>/seed<k>/{metrics.jsonl,provenance.json}``.
+    ``rl.interleave``: ``step``: each seed's arms step in turns (:meth:`Session.run_seed_in_turns`), each on a
+    stack of its own kept across seeds (one engine set and worker group per arm alive at once); ``run``:
+    each seed's arms run one after the other, all on one stack (a run whose trainer world size differs
+    from the session's starts a new session). Each run writes
+    ``rl_dir/<arm>/seed<k>/{metrics.jsonl,provenance.json}``.
 
     Returns:
         ``(arm, seed) -> metrics rows``.
     """
+    steps = config.rl.steps if steps is None else steps
+    rl_dir = Path(rl_dir)
     rows: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    if config.interleave == "step":
+        per_seed = seed_rounds(config)
+        with Session(config, [a.mode for a in per_seed[0][1]], threads) as session:
+            for seed, seed_arms in per_seed:
+                for name, r in session.run_seed_in_turns(config, seed_arms, seed, init_dir, rl_dir, steps, command).items():
+                    rows[(name, seed)] = r
+        return rows
     session: Session | None = None
     try:
         for arm, seed in schedule(config):
@@ -442,8 +565,8 @@ def run_paired(config: ExperimentConfig, init_dir: str | Path, rl_dir: str | Pat
                 if session is not None:
                     session.close()
                 session = Session(config, arm.mode, threads)
-            rows[(arm.name, seed)] = session.run(config, arm, seed, init_dir, Path(rl_dir) / arm.name / f"seed{seed}",
-                                                 config.rl.steps if steps is None else steps, command)
+            rows[(arm.name, seed)] = session.run(config, arm, seed, init_dir, rl_dir / arm.name / f"seed{seed}",
+                                                 steps, command)
     finally:
         if session is not None:
             session.close()
