@@ -206,17 +206,23 @@ def test_plugin_record_makes_a_pythonpath_only_isoexec_visible_to_vllms_plugin_l
 
     def lookup(pythonpath):
         r = subprocess.run([sys.executable, "-S", "-c", code], env={**os.environ, "PYTHONPATH": pythonpath},
-                           capture_output=True, text=True, timeout=60)
+                           capture_output=True, text=True, timeout=60, cwd=tmp_path)  # -c puts the cwd on sys.path
         assert r.returncode == 0, r.stderr[-2000:]
         return r.stdout
 
-    assert "EPS []" in lookup(str(ROOT))  # negative control: the checkout alone
-    record = write_record(tmp_path)
+    # the package alone, as the node's copy has it (a checkout where setup.sh ran also holds isoexec.egg-info,
+    # a record of its own)
+    checkout, site = tmp_path / "checkout", tmp_path / "site"
+    checkout.mkdir()
+    site.mkdir()
+    (checkout / "isoexec").symlink_to(ROOT / "isoexec", target_is_directory=True)
+    assert "EPS []" in lookup(str(checkout))  # negative control: the package alone
+    record = write_record(site)
     assert record.name == "isoexec-0.1.0.dist-info"
-    out = lookup(f"{ROOT}{os.pathsep}{tmp_path}")
+    out = lookup(f"{checkout}{os.pathsep}{site}")
     assert "EPS [('isoexec', 'isoexec.engines.vllm_plugin:register')]" in out
-    assert f"ORIGIN {ROOT / 'isoexec' / 'engines' / 'vllm_plugin.py'}" in out
-    write_record(tmp_path)  # idempotent
+    assert f"ORIGIN {checkout / 'isoexec' / 'engines' / 'vllm_plugin.py'}" in out
+    write_record(site)  # idempotent
     with pytest.raises(FileNotFoundError, match="does not exist"):
         write_record(tmp_path / "none")
 
