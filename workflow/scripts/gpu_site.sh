@@ -60,9 +60,15 @@ site() {
 }
 
 # pyproject.toml's skyrl extra (torchdata without its torch pin: the node's torch), snakemake and datasets
-# of its analysis extra, and isoexec's CLI dependencies
+# of its analysis extra, and isoexec's CLI dependencies; and what SkyRL's vLLM server imports beyond an offline
+# vllm.LLM (vllm/entrypoints/openai/api_server.py and the routers it mounts: watchfiles, the SageMaker/LoRA
+# routers' model-hosting-container-standards, prometheus-fastapi-instrumentator, python-json-logger) and
+# SkyRL's weight-sync payload (zstandard): vLLM 0.26's and skyrl 0.4's requirements the node's image lacks
+# (pip's report on the node, 2026-12-04; the recipe's first H200 launch stopped at `import watchfiles`)
 RL_STACK="ray==2.57.0 jaxtyping==0.3.11 omegaconf==2.3.1 hydra-core==1.3.4 cloudpathlib==0.26.0 orjson==3.13.0
-  vllm-router==0.1.14 loguru tqdm datasets==5.2.0 snakemake==9.27.1 typer rich pyyaml"
+  vllm-router==0.1.14 loguru tqdm datasets==5.2.0 snakemake==9.27.1 typer rich pyyaml
+  watchfiles==1.3.0 model-hosting-container-standards==0.1.16 prometheus-fastapi-instrumentator==8.1.0
+  python-json-logger==4.2.0 zstandard==0.25.0 ijson==3.6.0"
 rl() {
   mkdir -p "$W/rl/whl" "$W/rl/sdist"
   python3 -m pip wheel -q --no-deps -w "$W/rl/sdist" func_timeout==4.3.5 antlr4-python3-runtime==4.9.3 connection_pool==0.0.3

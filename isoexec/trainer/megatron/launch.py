@@ -6,9 +6,10 @@ process where CUDA exists, :data:`~isoexec.trainer.megatron.compat.DEVICE`; else
 Megatron's model-parallel groups for a :class:`~isoexec.trainer.megatron.config.Layout`. Nothing else is global: the groups live in
 ``torch.distributed`` and Megatron's ``parallel_state``, which :func:`shutdown` tears down.
 
-:func:`run` starts ``world_size`` local processes in one gloo group with
-:func:`isoexec.kernels.collectives.gloo.run_gloo` (fork server children: a plain fork after OpenMP started
-deadlocks), with Megatron pre-imported in the fork server when it is started by this call.
+:func:`run` starts ``world_size`` local processes in one group with
+:func:`isoexec.kernels.collectives.gloo.run_gloo`: on the CPU gloo and fork server children (a plain fork after
+OpenMP started deadlocks), with Megatron pre-imported in the fork server when it is started by this call; on
+CUDA NCCL and spawned children.
 """
 
 from __future__ import annotations
@@ -90,13 +91,17 @@ def shutdown() -> None:
 
 
 def run(fn, world_size: int, *args) -> list:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` local gloo processes; the per-rank results.
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` local processes; the per-rank results.
 
     ``fn`` must be importable (module level) and return something ``torch.save`` stores; it calls
     :func:`init_parallel` itself (once per layout it builds; layouts of one world size can follow each
     other in one launch), so the same function runs under any launcher. One intra-op thread per process.
+    On the CPU: gloo, fork-server children; on CUDA: NCCL, one GPU per rank, spawned children (a fork
+    server with Megatron and fla imported has initialised CUDA, which a forked child cannot use).
     """
     from isoexec.kernels.collectives.gloo import run_gloo
 
+    if compat.DEVICE == "cuda":
+        return run_gloo(fn, world_size, *args, start_method="spawn", backend="nccl")
     return run_gloo(fn, world_size, *args, preload=PRELOAD)
 
