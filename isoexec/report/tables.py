@@ -407,7 +407,7 @@ def format_scientific(x: float) -> str:
     return f"{mantissa}e{int(exponent)}"
 
 
-TEXT_COLUMNS = {"arm", "mode", "phase", "experiment", "device", "runs"}
+TEXT_COLUMNS = {"arm", "mode", "phase", "experiment", "device", "runs", "run", "commit", "per_seed_pct", "inside"}
 NOTE = ("Diffs are |trainer - rollout| logprob per response token; 0 means bitwise identical. Times are seconds "
         "per step without each run's first step (start-up, warm-up). Overheads are against native, paired within "
         "each seed (the arm's summed time over native's, over the same steps), then averaged over seeds; "
@@ -444,9 +444,12 @@ def overhead_cell(pct: float, lo: float, hi: float) -> str:
     return cell if math.isnan(lo) else f"{cell} [{lo:+.1f}, {hi:+.1f}]"
 
 
-def main_display(summary: pd.DataFrame) -> tuple[pd.DataFrame, dict[str, str]]:
+def main_display(summary: pd.DataFrame, further: dict[str, tuple[float, float, float]] | None = None
+                 ) -> tuple[pd.DataFrame, dict[str, str]]:
     """The main table as shown in md/tex: cells formatted, ``mismatched / tokens`` and the overhead with its
-    interval in one cell each; returns the table and its headers."""
+    interval in one cell each; returns the table and its headers. ``further`` (an experiment with reruns,
+    :func:`isoexec.report.reruns.further_run`): per arm the overhead over every run and the 95% prediction
+    interval of a further run's, one more column."""
     window = int(summary["reward_window"].min())
     shown = pd.DataFrame({
         "arm": summary["arm"],
@@ -462,6 +465,9 @@ def main_display(summary: pd.DataFrame) -> tuple[pd.DataFrame, dict[str, str]]:
     })
     headers = {**MAIN_HEADERS, **reward_headers(window), "mismatched": "mismatched tokens / tokens",
                "overhead": "step overhead vs native [95% interval]"}
+    if further:
+        shown["further"] = [overhead_cell(*further.get(a, (math.nan,) * 3)) for a in summary["arm"]]
+        headers["further"] = "over every run: a further run's step overhead [95% prediction]"
     return shown, headers
 
 
@@ -502,16 +508,16 @@ def to_latex(table: pd.DataFrame, prov: dict, title: str, headers: dict[str, str
 
 def write_table(table: pd.DataFrame, out_dir: Path, stem: str, prov: dict, title: str,
                 headers: dict[str, str] | None = None,
-                shown: tuple[pd.DataFrame, dict[str, str]] | None = None) -> list[Path]:
+                shown: tuple[pd.DataFrame, dict[str, str]] | None = None, note: str = NOTE) -> list[Path]:
     """``<stem>.csv`` + ``<stem>.provenance.json`` + ``<stem>.md`` + ``<stem>.tex``, each atomically.
 
     ``headers`` renames the columns of the csv (and of md/tex); ``shown``: another table and its headers
-    for md/tex (cells composed for display, e.g. :func:`main_display`)."""
+    for md/tex (cells composed for display, e.g. :func:`main_display`); ``note`` follows the md table."""
     md_table, md_headers = shown or (table, headers)
     files = [
         atomic_write_text(out_dir / f"{stem}.csv", table.rename(columns=headers or {}).to_csv(index=False)),
         atomic_write_text(out_dir / f"{stem}.provenance.json", json.dumps(prov, indent=2, sort_keys=True) + "\n"),
-        atomic_write_text(out_dir / f"{stem}.md", to_markdown(md_table, prov, title, md_headers)),
+        atomic_write_text(out_dir / f"{stem}.md", to_markdown(md_table, prov, title, md_headers, note)),
         atomic_write_text(out_dir / f"{stem}.tex", to_latex(md_table, prov, title, md_headers)),
     ]
     return files
@@ -521,7 +527,9 @@ def write_tables(
     exp_dir: str | Path, arms: Sequence[str] | None = None, seeds: Sequence[int] | None = None
 ) -> list[Path]:
     """Compute and write ``<exp_dir>/tables/{summary,per_seed,timing,main}.{csv,provenance.json,md,tex}`` and
-    ``comparison.md``.
+    ``comparison.md``; where the experiment has reruns of its RL stage (``reruns/<name>/rl/``) and every run
+    is asked for, also ``reruns.*`` and the main table's column of a further run's interval
+    (:mod:`isoexec.report.reruns`).
 
     Args:
         exp_dir: ``results/<exp>``; metrics are read from ``rl/<arm>/seed<k>/metrics.jsonl``.
@@ -530,6 +538,8 @@ def write_tables(
     Returns:
         the paths written.
     """
+    from isoexec.report.reruns import FURTHER_NOTE, RERUN_NOTE, further_run, rerun_display, rerun_table, run_dirs
+
     exp_dir = Path(exp_dir)
     runs = discover_runs(exp_dir, arms, seeds)
     df = load_metrics(exp_dir, arms, seeds)
@@ -542,10 +552,22 @@ def write_tables(
     files.append(
         atomic_write_text(out / "comparison.md", to_comparison_markdown(summary, prov, f"{name} vs the published result"))
     )
-    files += write_table(summary[list(MAIN_HEADERS)], out, "main", prov,
+    further, main = {}, summary[list(MAIN_HEADERS)].copy()
+    if arms is None and seeds is None and len(run_dirs(exp_dir)) > 1:  # reruns/: a further run's interval
+        reruns = rerun_table(exp_dir)
+        rerun_runs = [r for _, d in run_dirs(exp_dir) for r in discover_runs(d)]
+        files += write_table(reruns, out, "reruns",
+                             report_provenance(exp_dir, [d / "metrics.jsonl" for _, _, d in rerun_runs],
+                                               [d for _, _, d in rerun_runs]),
+                             f"{name}: the RL stage's runs, each one's step overhead and the interval the runs before it gave",
+                             shown=rerun_display(reruns), note=RERUN_NOTE)
+        further = further_run(reruns)
+        for i, col in enumerate(("further_run_overhead_pct", "further_run_pct_lo", "further_run_pct_hi")):
+            main[col] = [further.get(a, (math.nan,) * 3)[i] for a in main["arm"]]
+    files += write_table(main, out, "main", prov,
                          f"{name}: {arms_named} (means over seeds; the full table is summary.*)",
                          {**MAIN_HEADERS, **reward_headers(int(summary["reward_window"].min()))},
-                         shown=main_display(summary))
+                         shown=main_display(summary, further), note=NOTE + (" " + FURTHER_NOTE if further else ""))
     files += write_table(summarize_per_seed(df), out, "per_seed", prov, f"{name}: per seed")
     timing = summarize_timing(df)
     files += write_table(timing, out, "timing", prov,

@@ -1,0 +1,176 @@
+"""Reruns of an experiment's RL stage, and the interval a further run's step overhead should land in.
+
+Layout: the committed run is ``<exp_dir>/rl/``; each rerun of the same stage (same experiment, same kind of
+machine) is ``<exp_dir>/reruns/<name>/rl/<arm>/seed<k>/metrics.jsonl``, ordered by ``<name>``.
+
+A run's step overhead (per arm, against native) is the mean over its seeds of the per-seed paired overhead
+(:func:`isoexec.report.tables.paired_times`: the arm's summed step time over native's, over the steps both
+timed). The bootstrap interval of one run (:func:`isoexec.report.tables.bootstrap_interval`) covers the spread of
+that run's steps and seeds, not what changes between runs of the same code an hour apart (the machine's state:
+on the shared 2-core VM, a rerun's isoexec overhead landed 0.4 points outside its run's interval). The
+interval for a further run therefore pools the seeds of every run made so far: with n (run, seed) overheads
+of mean m and standard deviation s, a further run of k seeds has its mean overhead, with probability
+``level``, in
+
+    m +- t(1 - (1 - level) / 2, n - 1) * s * sqrt(1/k + 1/n)
+
+(the prediction interval for the mean of k future draws of a normal population whose mean and variance are
+estimated from n draws: Hahn, Meeker & Escobar, *Statistical Intervals*, 2nd ed., Wiley 2017, section 4.7).
+It treats the n overheads as independent draws; runs that differ as a whole (the hour) enter through the spread
+of their seeds, which is why it widens as runs that disagree are added.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from isoexec.report.data import discover_runs, load_metrics, run_git_commit
+from isoexec.report.tables import INTERVAL, _ratio_of_sums, arm_sort_key, bootstrap_interval, overhead_cell, paired_times
+
+RERUNS = "reruns"
+COLUMNS = ("run", "commit", "arm", "n_seeds", "overhead_pct", "overhead_pct_lo", "overhead_pct_hi", "per_seed_pct",
+           "predicted_lo", "predicted_hi", "inside")
+"""``tables/reruns.*``: one row per (run, arm): the run's overhead with its own bootstrap interval, its seeds'
+overheads, the interval the runs before it gave for it (none for the first) and whether it landed inside; then
+one row per arm named ``further run``: the interval that every run so far gives for the next."""
+
+
+RERUN_NOTE = ("A run's overhead: the mean over its seeds of the paired step overhead against native, with the run's "
+              "own bootstrap interval. Prediction: the 95% interval for a run of k seeds from the (run, seed) "
+              "overheads of every run before it, m +- t(0.975, n-1) s sqrt(1/k + 1/n) (isoexec/report/reruns.py); "
+              "'further run': from every run.")
+FURTHER_NOTE = ("The last column pools the (run, seed) overheads of every run of the RL stage (tables/reruns.*): "
+                "their mean and the 95% prediction interval of a further run's.")
+
+
+@functools.lru_cache(maxsize=256)
+def t_quantile(p: float, nu: int) -> float:
+    """Student's t quantile ``t(p, nu)`` for ``0.5 <= p < 1`` and ``nu >= 1`` degrees of freedom.
+
+    The density integrated numerically from 0 (trapezoid rule on 20,001 points) and the quantile found by
+    bisection; accurate to about 1e-6 for ``p <= 0.9995`` (t(0.975, 1) = 12.7062, t(0.975, 5) = 2.5706).
+
+    Raises:
+        ValueError: ``p`` outside [0.5, 1) or ``nu`` < 1.
+    """
+    if not 0.5 <= p < 1.0 or nu < 1:
+        raise ValueError(f"t_quantile: needs 0.5 <= p < 1 and nu >= 1, got p={p}, nu={nu}")
+    c = math.exp(math.lgamma((nu + 1) / 2) - math.lgamma(nu / 2)) / math.sqrt(nu * math.pi)
+
+    def cdf(x: float) -> float:
+        xs = np.linspace(0.0, x, 20001)
+        return 0.5 + float(np.trapezoid(c * (1 + xs ** 2 / nu) ** (-(nu + 1) / 2), xs))
+
+    lo, hi = 0.0, 1.0
+    while cdf(hi) < p:
+        hi *= 2
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if cdf(mid) < p else (lo, mid)
+    return (lo + hi) / 2
+
+
+def prediction_interval(units: Sequence[float], k: int, level: float = INTERVAL) -> tuple[float, float, float]:
+    """``(m, low, high)``: the mean of ``units`` and the ``level`` prediction interval for the mean of ``k``
+    further draws (module docstring).
+
+    Raises:
+        ValueError: fewer than two units, or ``k`` < 1.
+    """
+    x = np.asarray(units, dtype=float)
+    if len(x) < 2 or k < 1:
+        raise ValueError(f"prediction_interval: needs at least 2 units and k >= 1, got {len(x)} units, k={k}")
+    m, s = float(x.mean()), float(x.std(ddof=1))
+    h = t_quantile((1 + level) / 2, len(x) - 1) * s * math.sqrt(1 / k + 1 / len(x))
+    return m, m - h, m + h
+
+
+def run_dirs(exp_dir: str | Path) -> list[tuple[str, Path]]:
+    """``[("committed", exp_dir), (name, exp_dir/reruns/name), ...]``: the runs of the RL stage on disk."""
+    exp_dir = Path(exp_dir)
+    reruns = sorted(p for p in (exp_dir / RERUNS).glob("*") if (p / "rl").is_dir())
+    return [("committed", exp_dir), *((p.name, p) for p in reruns)]
+
+
+def seed_overheads(run_dir: Path) -> dict[str, dict[int, float]]:
+    """Per arm (not native) and seed: the paired step overhead in percent of one run."""
+    out: dict[str, dict[int, float]] = {}
+    for (arm, seed), v in paired_times(load_metrics(run_dir)).items():
+        out.setdefault(arm, {})[seed] = 100.0 * (float(_ratio_of_sums(*v)) - 1.0)
+    return out
+
+
+def _commit(run_dir: Path) -> str:
+    import json
+
+    commits = set()
+    for _, _, d in discover_runs(run_dir):
+        try:
+            commits.add(run_git_commit(json.loads((d / "provenance.json").read_text())) or "?")
+        except (OSError, ValueError):
+            commits.add("?")
+    return ", ".join(sorted(c[:7] for c in commits))
+
+
+def rerun_table(exp_dir: str | Path, level: float = INTERVAL) -> pd.DataFrame:
+    """The ``reruns`` table (:data:`COLUMNS`) of ``exp_dir``'s runs (:func:`run_dirs`).
+
+    Raises:
+        MetricsError: a run folder without readable metrics.
+    """
+    rows, pooled = [], {}
+    for name, d in run_dirs(exp_dir):
+        per = seed_overheads(d)
+        times = paired_times(load_metrics(d))
+        for arm in sorted(per, key=arm_sort_key):
+            units = [per[arm][s] for s in sorted(per[arm])]
+            before = pooled.get(arm, [])
+            pred = prediction_interval(before, len(units), level)[1:] if len(before) >= 2 else (math.nan, math.nan)
+            lo, hi = bootstrap_interval([v for (a, _), v in times.items() if a == arm], level=level)
+            m = float(np.mean(units))
+            rows.append({"run": name, "commit": _commit(d), "arm": arm, "n_seeds": len(units), "overhead_pct": m,
+                         "overhead_pct_lo": 100.0 * (lo - 1.0), "overhead_pct_hi": 100.0 * (hi - 1.0),
+                         "per_seed_pct": ", ".join(f"{u:+.1f}" for u in units),
+                         "predicted_lo": pred[0], "predicted_hi": pred[1],
+                         "inside": None if math.isnan(pred[0]) else bool(pred[0] <= m <= pred[1])})
+            pooled[arm] = before + units
+    k = int(np.median([r["n_seeds"] for r in rows])) if rows else 0
+    for arm in sorted(pooled, key=arm_sort_key):
+        if len(pooled[arm]) >= 2:
+            m, lo, hi = prediction_interval(pooled[arm], k, level)
+            rows.append({"run": "further run", "commit": "", "arm": arm, "n_seeds": k, "overhead_pct": m,
+                         "overhead_pct_lo": math.nan, "overhead_pct_hi": math.nan,
+                         "per_seed_pct": f"pooled: {len(pooled[arm])} (run, seed) overheads",
+                         "predicted_lo": lo, "predicted_hi": hi, "inside": None})
+    return pd.DataFrame(rows, columns=list(COLUMNS))
+
+
+def further_run(table: pd.DataFrame) -> dict[str, tuple[float, float, float]]:
+    """Per arm, ``(mean over every run's seeds, low, high)``: the ``further run`` rows of :func:`rerun_table`."""
+    return {r.arm: (r.overhead_pct, r.predicted_lo, r.predicted_hi)
+            for r in table[table["run"] == "further run"].itertuples()}
+
+
+def rerun_display(table: pd.DataFrame) -> tuple[pd.DataFrame, dict[str, str]]:
+    """The reruns table as shown in md/tex (overheads with their intervals in one cell each) and its headers."""
+    shown = pd.DataFrame({
+        "run": table["run"], "commit": table["commit"], "arm": table["arm"],
+        "overhead": [overhead_cell(*v) for v in zip(table["overhead_pct"], table["overhead_pct_lo"],
+                                                     table["overhead_pct_hi"], strict=True)],
+        "per_seed_pct": table["per_seed_pct"],
+        "predicted": ["" if math.isnan(lo) else f"[{lo:+.1f}, {hi:+.1f}]"
+                      for lo, hi in zip(table["predicted_lo"], table["predicted_hi"], strict=True)],
+        "inside": ["" if v is None or (isinstance(v, float) and math.isnan(v)) else ("yes" if v else "**no**")
+                   for v in table["inside"]],
+    })
+    headers = {"overhead": "step overhead vs native [the run's own 95% interval]",
+               "per_seed_pct": "per seed (%)",
+               "predicted": "95% prediction from the runs before it",
+               "inside": "inside?"}
+    return shown, headers
