@@ -93,5 +93,7 @@ def test_tables_gain_the_reruns_table_and_a_main_column_only_where_reruns_exist(
     tables.write_tables(plain)
     assert not (plain / "tables" / "reruns.md").exists()
     assert "prediction" not in (plain / "tables" / "main.md").read_text()
+    tables.write_tables(exp_with_reruns, arms=["native", "isoexec"], seeds=[0, 1])  # every run, named (snakemake)
+    assert "prediction" in (exp_with_reruns / "tables" / "main.md").read_text()
     tables.write_tables(exp_with_reruns, seeds=[0])  # a selection of runs: no rerun statement
     assert "prediction" not in (exp_with_reruns / "tables" / "main.md").read_text()

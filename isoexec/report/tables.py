@@ -527,8 +527,8 @@ def write_tables(
     exp_dir: str | Path, arms: Sequence[str] | None = None, seeds: Sequence[int] | None = None
 ) -> list[Path]:
     """Compute and write ``<exp_dir>/tables/{summary,per_seed,timing,main}.{csv,provenance.json,md,tex}`` and
-    ``comparison.md``; where the experiment has reruns of its RL stage (``reruns/<name>/rl/``) and every run
-    is asked for, also ``reruns.*`` and the main table's column of a further run's interval
+    ``comparison.md``; where the experiment has reruns of its RL stage (``reruns/<name>/rl/``) and the selection
+    is every run on disk, also ``reruns.*`` and the main table's column of a further run's interval
     (:mod:`isoexec.report.reruns`).
 
     Args:
@@ -553,7 +553,8 @@ def write_tables(
         atomic_write_text(out / "comparison.md", to_comparison_markdown(summary, prov, f"{name} vs the published result"))
     )
     further, main = {}, summary[list(MAIN_HEADERS)].copy()
-    if arms is None and seeds is None and len(run_dirs(exp_dir)) > 1:  # reruns/: a further run's interval
+    every_run = {(a, s) for a, s, _ in runs} == {(a, s) for a, s, _ in discover_runs(exp_dir)}
+    if every_run and len(run_dirs(exp_dir)) > 1:  # reruns/: a further run's interval
         reruns = rerun_table(exp_dir)
         rerun_runs = [r for _, d in run_dirs(exp_dir) for r in discover_runs(d)]
         files += write_table(reruns, out, "reruns",
