@@ -73,21 +73,60 @@ def test_rerun_table_predicts_each_run_from_the_runs_before_it(exp_with_reruns):
     table = reruns.rerun_table(exp_with_reruns)
     assert list(table["run"]) == ["committed", "1", "2", "further run"]
     per_run = {r: list(reruns.seed_overheads(d)["isoexec"].values()) for r, d in reruns.run_dirs(exp_with_reruns)}
+    means = {r: float(np.mean(u)) for r, u in per_run.items()}
     row = table.set_index("run").loc
     assert math.isnan(row["committed", "predicted_lo"]) and row["committed", "inside"] is None
-    _, lo, hi = reruns.prediction_interval(per_run["committed"] + per_run["1"], k=2)
+    assert math.isnan(row["1", "predicted_lo"])  # one run before it: no spread between runs to go by
+    _, lo, hi = reruns.prediction_interval([means["committed"], means["1"]], k=1)  # runs as units
     assert (row["2", "predicted_lo"], row["2", "predicted_hi"]) == pytest.approx((lo, hi))
-    assert row["2", "overhead_pct"] == pytest.approx(np.mean(per_run["2"]))
-    assert bool(row["2", "inside"]) == bool(lo <= np.mean(per_run["2"]) <= hi)
-    assert row["2", "inside"] is False  # the 1.5x / 1.6x run is far outside what the first two predicted
-    m, lo, hi = reruns.prediction_interval(sum(per_run.values(), []), k=2)
+    _, plo, phi = reruns.prediction_interval(per_run["committed"] + per_run["1"], k=2)  # seeds pooled
+    assert (row["2", "pooled_lo"], row["2", "pooled_hi"]) == pytest.approx((plo, phi))
+    assert row["2", "overhead_pct"] == pytest.approx(means["2"])
+    assert row["2", "inside_pooled"] is False  # the 1.5x / 1.6x run is far outside what the pooled seeds predicted
+    m, lo, hi = reruns.prediction_interval(list(means.values()), k=1)
     assert (row["further run", "overhead_pct"], row["further run", "predicted_lo"]) == pytest.approx((m, lo))
+
+
+def test_with_a_shift_per_run_the_runs_as_units_interval_keeps_its_coverage_and_pooled_seeds_do_not():
+    rng = np.random.default_rng(1)
+    runs, k, trials = 3, 3, 4000
+    by_runs = pooled = 0
+    for _ in range(trials):
+        shifts = rng.normal(0.0, 2.0, runs + 1)  # one shift per run (the hour), seeds spread 1 around it
+        seeds = shifts[:, None] + rng.normal(5.0, 1.0, (runs + 1, k))
+        further = seeds[-1].mean()
+        _, lo, hi = reruns.prediction_interval(seeds[:-1].mean(1), k=1)
+        by_runs += lo <= further <= hi
+        _, lo, hi = reruns.prediction_interval(seeds[:-1].ravel(), k=k)  # negative control
+        pooled += lo <= further <= hi
+    assert 0.935 < by_runs / trials < 0.965
+    assert pooled / trials < 0.85
+
+
+def test_a_partial_rerun_is_refused_and_no_table_is_rewritten(exp_with_reruns):
+    import shutil
+
+    from isoexec.report.data import MetricsError
+
+    tables.write_tables(exp_with_reruns)
+    before = (exp_with_reruns / "tables" / "summary.md").read_text()
+    shutil.rmtree(exp_with_reruns / "reruns" / "2" / "rl" / "native" / "seed1")
+    with pytest.raises(MetricsError, match=r"must hold the committed run's arms and seeds; missing: native/seed1; "
+                                           r"not in the committed run: none"):
+        tables.write_tables(exp_with_reruns)
+    assert (exp_with_reruns / "tables" / "summary.md").read_text() == before
+
+
+def test_reruns_are_ordered_by_number(exp_with_reruns):
+    (exp_with_reruns / "reruns" / "2").rename(exp_with_reruns / "reruns" / "10")
+    write_synthetic_runs(exp_with_reruns / "reruns" / "3", arms=("native", "isoexec"))
+    assert [n for n, _ in reruns.run_dirs(exp_with_reruns)] == ["committed", "1", "3", "10"]
 
 
 def test_tables_gain_the_reruns_table_and_a_main_column_only_where_reruns_exist(exp_with_reruns, tmp_path):
     tables.write_tables(exp_with_reruns)
     main = (exp_with_reruns / "tables" / "main.md").read_text()
-    assert "a further run's step overhead [95% prediction]" in main
+    assert "a further run's step overhead [95% prediction, runs as units]" in main
     assert "| committed | f00d |" in (exp_with_reruns / "tables" / "reruns.md").read_text()
     plain = write_synthetic_runs(tmp_path / "results" / "plain", arms=("native", "isoexec"))
     tables.write_tables(plain)

@@ -39,7 +39,8 @@ def _run(kind: str, exp_dir: Path, arms: list[str] | None, seeds: list[int] | No
 
 @app.command("tables")
 def tables_command(exp_dir: ExpDir, arm: Arms = None, seed: Seeds = None) -> None:
-    """Write tables/{summary,main,per_seed,timing}.{csv,md,tex} (one row per arm) and comparison.md, with provenance."""
+    """Write tables/{summary,main,per_seed,timing}.{csv,md,tex} (one row per arm) and comparison.md, with provenance;
+    with reruns of the RL stage under EXP_DIR/reruns/<name>/rl/, also tables/reruns.* and a further run's interval."""
     _run("tables", exp_dir, arm, seed)
 
 

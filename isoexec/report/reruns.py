@@ -1,23 +1,24 @@
 """Reruns of an experiment's RL stage, and the interval a further run's step overhead should land in.
 
 Layout: the committed run is ``<exp_dir>/rl/``; each rerun of the same stage (same experiment, same kind of
-machine) is ``<exp_dir>/reruns/<name>/rl/<arm>/seed<k>/metrics.jsonl``, ordered by ``<name>``.
+machine, the same arms and seeds) is ``<exp_dir>/reruns/<name>/rl/<arm>/seed<k>/metrics.jsonl``, ordered by
+``<name>`` (numerically where the names are numbers).
 
 A run's step overhead (per arm, against native) is the mean over its seeds of the per-seed paired overhead
 (:func:`isoexec.report.tables.paired_times`: the arm's summed step time over native's, over the steps both
 timed). The bootstrap interval of one run (:func:`isoexec.report.tables.bootstrap_interval`) covers the spread of
 that run's steps and seeds, not what changes between runs of the same code an hour apart (the machine's state:
-on the shared 2-core VM, a rerun's isoexec overhead landed 0.4 points outside its run's interval). The
-interval for a further run therefore pools the seeds of every run made so far: with n (run, seed) overheads
-of mean m and standard deviation s, a further run of k seeds has its mean overhead, with probability
-``level``, in
+on the shared 2-core VM, a rerun's isoexec overhead landed 0.4 points outside its run's interval). Two
+prediction intervals for a further run, both ``m +- t(1 - (1 - level) / 2, n - 1) * s * sqrt(1/k + 1/n)``, the
+interval for the mean of k future draws of a normal population whose mean and variance are estimated from n
+draws (Hahn, Meeker & Escobar, *Statistical Intervals*, 2nd ed., Wiley 2017, section 4.7):
 
-    m +- t(1 - (1 - level) / 2, n - 1) * s * sqrt(1/k + 1/n)
-
-(the prediction interval for the mean of k future draws of a normal population whose mean and variance are
-estimated from n draws: Hahn, Meeker & Escobar, *Statistical Intervals*, 2nd ed., Wiley 2017, section 4.7).
-It treats the n overheads as independent draws; runs that differ as a whole (the hour) enter through the spread
-of their seeds, which is why it widens as runs that disagree are added.
+- **runs as units** (the one the tables state): the n run means, k = 1. Under the one-way random-effects model
+  (a shift per run plus a spread per seed, equal seed counts) the run means are independent draws of one normal
+  distribution, so it holds whatever part of the variation moves whole runs; with few runs it is wide;
+- **seeds pooled**: the n (run, seed) overheads, k seeds per run. It holds only if runs do not differ as a whole
+  (no run-level shift); where they do it covers less than ``level`` (its test shows it), so it is shown beside
+  the first as the narrower statement of that assumption, not as the result.
 """
 
 from __future__ import annotations
@@ -30,23 +31,25 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from isoexec.report.data import discover_runs, load_metrics, run_git_commit
+from isoexec.report.data import MetricsError, discover_runs, load_metrics, run_git_commit
 from isoexec.report.tables import INTERVAL, _ratio_of_sums, arm_sort_key, bootstrap_interval, overhead_cell, paired_times
 
 RERUNS = "reruns"
 COLUMNS = ("run", "commit", "arm", "n_seeds", "overhead_pct", "overhead_pct_lo", "overhead_pct_hi", "per_seed_pct",
-           "predicted_lo", "predicted_hi", "inside")
+           "predicted_lo", "predicted_hi", "inside", "pooled_lo", "pooled_hi", "inside_pooled")
 """``tables/reruns.*``: one row per (run, arm): the run's overhead with its own bootstrap interval, its seeds'
-overheads, the interval the runs before it gave for it (none for the first) and whether it landed inside; then
-one row per arm named ``further run``: the interval that every run so far gives for the next."""
+overheads, the intervals the runs before it gave for it (``predicted``: runs as units, from two runs on;
+``pooled``: seeds pooled) and whether it landed inside each; then one row per arm named ``further run``: the
+intervals that every run so far gives for the next."""
 
 
 RERUN_NOTE = ("A run's overhead: the mean over its seeds of the paired step overhead against native, with the run's "
-              "own bootstrap interval. Prediction: the 95% interval for a run of k seeds from the (run, seed) "
-              "overheads of every run before it, m +- t(0.975, n-1) s sqrt(1/k + 1/n) (isoexec/report/reruns.py); "
+              "own bootstrap interval. Predictions from every run before it, m +- t(0.975, n-1) s sqrt(1/k + 1/n) "
+              "(isoexec/report/reruns.py): runs as units (n run means, k = 1; holds when whole runs shift), and seeds "
+              "pooled (n (run, seed) overheads, k seeds; holds only if runs do not shift as a whole). "
               "'further run': from every run.")
-FURTHER_NOTE = ("The last column pools the (run, seed) overheads of every run of the RL stage (tables/reruns.*): "
-                "their mean and the 95% prediction interval of a further run's.")
+FURTHER_NOTE = ("The last column: the mean over every run of the RL stage (tables/reruns.*) and the 95% prediction "
+                "interval of a further run's overhead, the runs' means as units.")
 
 
 @functools.lru_cache(maxsize=256)
@@ -91,10 +94,15 @@ def prediction_interval(units: Sequence[float], k: int, level: float = INTERVAL)
     return m, m - h, m + h
 
 
+def _order(name: str) -> tuple:
+    return (0, int(name), "") if name.isdigit() else (1, 0, name)
+
+
 def run_dirs(exp_dir: str | Path) -> list[tuple[str, Path]]:
-    """``[("committed", exp_dir), (name, exp_dir/reruns/name), ...]``: the runs of the RL stage on disk."""
+    """``[("committed", exp_dir), (name, exp_dir/reruns/name), ...]``: the runs of the RL stage on disk, reruns
+    in the order of their names (numbers numerically: 2 before 10)."""
     exp_dir = Path(exp_dir)
-    reruns = sorted(p for p in (exp_dir / RERUNS).glob("*") if (p / "rl").is_dir())
+    reruns = sorted((p for p in (exp_dir / RERUNS).glob("*") if (p / "rl").is_dir()), key=lambda p: _order(p.name))
     return [("committed", exp_dir), *((p.name, p) for p in reruns)]
 
 
@@ -122,32 +130,47 @@ def rerun_table(exp_dir: str | Path, level: float = INTERVAL) -> pd.DataFrame:
     """The ``reruns`` table (:data:`COLUMNS`) of ``exp_dir``'s runs (:func:`run_dirs`).
 
     Raises:
-        MetricsError: a run folder without readable metrics.
+        MetricsError: a run folder without readable metrics, or a rerun whose (arm, seed) runs differ from the
+            committed run's (a rerun is the same stage again: pooling a partial one would bias the interval).
     """
-    rows, pooled = [], {}
-    for name, d in run_dirs(exp_dir):
+    runs = run_dirs(exp_dir)
+    expected = {(a, s) for a, s, _ in discover_runs(runs[0][1])}
+    for name, d in runs[1:]:
+        got = {(a, s) for a, s, _ in discover_runs(d)}
+        if got != expected:
+            missing = ", ".join(f"{a}/seed{s}" for a, s in sorted(expected - got)) or "none"
+            extra = ", ".join(f"{a}/seed{s}" for a, s in sorted(got - expected)) or "none"
+            raise MetricsError(f"{d / 'rl'}: a rerun must hold the committed run's arms and seeds; missing: {missing}; "
+                               f"not in the committed run: {extra}")
+    rows, means, pooled = [], {}, {}
+    for name, d in runs:
         per = seed_overheads(d)
         times = paired_times(load_metrics(d))
         for arm in sorted(per, key=arm_sort_key):
             units = [per[arm][s] for s in sorted(per[arm])]
-            before = pooled.get(arm, [])
-            pred = prediction_interval(before, len(units), level)[1:] if len(before) >= 2 else (math.nan, math.nan)
-            lo, hi = bootstrap_interval([v for (a, _), v in times.items() if a == arm], level=level)
             m = float(np.mean(units))
+            before, before_units = means.get(arm, []), pooled.get(arm, [])
+            pred = prediction_interval(before, 1, level)[1:] if len(before) >= 2 else (math.nan, math.nan)
+            pool = (prediction_interval(before_units, len(units), level)[1:] if len(before_units) >= 2
+                    else (math.nan, math.nan))
+            lo, hi = bootstrap_interval([v for (a, _), v in times.items() if a == arm], level=level)
             rows.append({"run": name, "commit": _commit(d), "arm": arm, "n_seeds": len(units), "overhead_pct": m,
                          "overhead_pct_lo": 100.0 * (lo - 1.0), "overhead_pct_hi": 100.0 * (hi - 1.0),
                          "per_seed_pct": ", ".join(f"{u:+.1f}" for u in units),
                          "predicted_lo": pred[0], "predicted_hi": pred[1],
-                         "inside": None if math.isnan(pred[0]) else bool(pred[0] <= m <= pred[1])})
-            pooled[arm] = before + units
-    k = int(np.median([r["n_seeds"] for r in rows])) if rows else 0
-    for arm in sorted(pooled, key=arm_sort_key):
-        if len(pooled[arm]) >= 2:
-            m, lo, hi = prediction_interval(pooled[arm], k, level)
+                         "inside": None if math.isnan(pred[0]) else bool(pred[0] <= m <= pred[1]),
+                         "pooled_lo": pool[0], "pooled_hi": pool[1],
+                         "inside_pooled": None if math.isnan(pool[0]) else bool(pool[0] <= m <= pool[1])})
+            means[arm], pooled[arm] = before + [m], before_units + units
+    k = len({s for _, s in expected})  # seeds per run (every run has the committed run's)
+    for arm in sorted(means, key=arm_sort_key):
+        if len(means[arm]) >= 2:
+            m, lo, hi = prediction_interval(means[arm], 1, level)
+            plo, phi = prediction_interval(pooled[arm], k, level)[1:]
             rows.append({"run": "further run", "commit": "", "arm": arm, "n_seeds": k, "overhead_pct": m,
                          "overhead_pct_lo": math.nan, "overhead_pct_hi": math.nan,
-                         "per_seed_pct": f"pooled: {len(pooled[arm])} (run, seed) overheads",
-                         "predicted_lo": lo, "predicted_hi": hi, "inside": None})
+                         "per_seed_pct": f"{len(means[arm])} runs of {k} seeds", "predicted_lo": lo, "predicted_hi": hi,
+                         "inside": None, "pooled_lo": plo, "pooled_hi": phi, "inside_pooled": None})
     return pd.DataFrame(rows, columns=list(COLUMNS))
 
 
@@ -159,18 +182,27 @@ def further_run(table: pd.DataFrame) -> dict[str, tuple[float, float, float]]:
 
 def rerun_display(table: pd.DataFrame) -> tuple[pd.DataFrame, dict[str, str]]:
     """The reruns table as shown in md/tex (overheads with their intervals in one cell each) and its headers."""
+
+    def interval(lo: float, hi: float) -> str:
+        return "" if math.isnan(lo) else f"[{lo:+.1f}, {hi:+.1f}]"
+
+    def inside(v: object) -> str:
+        return "" if v is None or (isinstance(v, float) and math.isnan(v)) else ("yes" if v else "no")
+
     shown = pd.DataFrame({
         "run": table["run"], "commit": table["commit"], "arm": table["arm"],
         "overhead": [overhead_cell(*v) for v in zip(table["overhead_pct"], table["overhead_pct_lo"],
                                                      table["overhead_pct_hi"], strict=True)],
         "per_seed_pct": table["per_seed_pct"],
-        "predicted": ["" if math.isnan(lo) else f"[{lo:+.1f}, {hi:+.1f}]"
-                      for lo, hi in zip(table["predicted_lo"], table["predicted_hi"], strict=True)],
-        "inside": ["" if v is None or (isinstance(v, float) and math.isnan(v)) else ("yes" if v else "**no**")
-                   for v in table["inside"]],
+        "predicted": [interval(*v) for v in zip(table["predicted_lo"], table["predicted_hi"], strict=True)],
+        "inside": [inside(v) for v in table["inside"]],
+        "pooled": [interval(*v) for v in zip(table["pooled_lo"], table["pooled_hi"], strict=True)],
+        "inside_pooled": [inside(v) for v in table["inside_pooled"]],
     })
     headers = {"overhead": "step overhead vs native [the run's own 95% interval]",
                "per_seed_pct": "per seed (%)",
-               "predicted": "95% prediction from the runs before it",
-               "inside": "inside?"}
+               "predicted": "95% prediction from the runs before it (runs as units)",
+               "inside": "inside?",
+               "pooled": "95% prediction, seeds pooled (no run-level shift assumed)",
+               "inside_pooled": "inside?"}
     return shown, headers

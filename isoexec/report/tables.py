@@ -407,7 +407,8 @@ def format_scientific(x: float) -> str:
     return f"{mantissa}e{int(exponent)}"
 
 
-TEXT_COLUMNS = {"arm", "mode", "phase", "experiment", "device", "runs", "run", "commit", "per_seed_pct", "inside"}
+TEXT_COLUMNS = {"arm", "mode", "phase", "experiment", "device", "runs", "run", "commit", "per_seed_pct", "inside",
+                "inside_pooled"}
 NOTE = ("Diffs are |trainer - rollout| logprob per response token; 0 means bitwise identical. Times are seconds "
         "per step without each run's first step (start-up, warm-up). Overheads are against native, paired within "
         "each seed (the arm's summed time over native's, over the same steps), then averaged over seeds; "
@@ -467,7 +468,7 @@ def main_display(summary: pd.DataFrame, further: dict[str, tuple[float, float, f
                "overhead": "step overhead vs native [95% interval]"}
     if further:
         shown["further"] = [overhead_cell(*further.get(a, (math.nan,) * 3)) for a in summary["arm"]]
-        headers["further"] = "over every run: a further run's step overhead [95% prediction]"
+        headers["further"] = "over every run: a further run's step overhead [95% prediction, runs as units]"
     return shown, headers
 
 
@@ -548,23 +549,24 @@ def write_tables(
     name = exp_dir.name
     arms_named = ", ".join(sorted(df["arm"].unique(), key=arm_sort_key))
     summary = summarize(df)
+    further, main, reruns = {}, summary[list(MAIN_HEADERS)].copy(), None
+    every_run = {(a, s) for a, s, _ in runs} == {(a, s) for a, s, _ in discover_runs(exp_dir)}
+    if every_run and len(run_dirs(exp_dir)) > 1:  # reruns/: a further run's interval (computed before any write)
+        reruns = rerun_table(exp_dir)
+        further = further_run(reruns)
+        for i, col in enumerate(("further_run_overhead_pct", "further_run_pct_lo", "further_run_pct_hi")):
+            main[col] = [further.get(a, (math.nan,) * 3)[i] for a in main["arm"]]
     files = write_table(summary, out, "summary", prov, f"{name}: {arms_named}, all seeds and steps")
     files.append(
         atomic_write_text(out / "comparison.md", to_comparison_markdown(summary, prov, f"{name} vs the published result"))
     )
-    further, main = {}, summary[list(MAIN_HEADERS)].copy()
-    every_run = {(a, s) for a, s, _ in runs} == {(a, s) for a, s, _ in discover_runs(exp_dir)}
-    if every_run and len(run_dirs(exp_dir)) > 1:  # reruns/: a further run's interval
-        reruns = rerun_table(exp_dir)
+    if reruns is not None:
         rerun_runs = [r for _, d in run_dirs(exp_dir) for r in discover_runs(d)]
         files += write_table(reruns, out, "reruns",
                              report_provenance(exp_dir, [d / "metrics.jsonl" for _, _, d in rerun_runs],
                                                [d for _, _, d in rerun_runs]),
-                             f"{name}: the RL stage's runs, each one's step overhead and the interval the runs before it gave",
+                             f"{name}: the RL stage's runs, each one's step overhead and the intervals the runs before it gave",
                              shown=rerun_display(reruns), note=RERUN_NOTE)
-        further = further_run(reruns)
-        for i, col in enumerate(("further_run_overhead_pct", "further_run_pct_lo", "further_run_pct_hi")):
-            main[col] = [further.get(a, (math.nan,) * 3)[i] for a in main["arm"]]
     files += write_table(main, out, "main", prov,
                          f"{name}: {arms_named} (means over seeds; the full table is summary.*)",
                          {**MAIN_HEADERS, **reward_headers(int(summary["reward_window"].min()))},
