@@ -4,7 +4,7 @@
 # tree, compressed and split into parts that each travel in one device call beside the repository.
 #
 # Usage (repo root, any x86-64 machine with pip and network):
-#   bash workflow/scripts/gpu_site.sh [OUTDIR=.gpu] [PART_MIB=44] [WHAT=all|site|rl]
+#   bash workflow/scripts/gpu_site.sh [OUTDIR=.gpu] [PART_MIB=40] [WHAT=all|site|rl]
 # Writes OUTDIR/site.tar.xz.aa, .ab, ... and OUTDIR/site.sha256 (of the whole site.tar.xz), and (rl) the RL
 # stack's wheels as OUTDIR/rl.tar.aa, ... and OUTDIR/rl.sha256. On the node, workflow/scripts/gpu_node.sh
 # joins, checks and unpacks them (see README, "GPU node").
@@ -25,9 +25,10 @@
 # solver builds for other systems are dropped from their wheels (never loaded: no dashboard, greedy
 # scheduling needs no solver binary on another OS).
 set -euo pipefail
-OUT=${1:-.gpu}; PART=${2:-44}; WHAT=${3:-all}
-# a device call carries at most 64 MiB: one part plus the repository's tracked files (12 MiB on 2026-12-04;
-# 52 MiB parts stopped fitting as results/ grew). Refuse a part size that leaves less than 4 MiB to spare.
+OUT=${1:-.gpu}; PART=${2:-40}; WHAT=${3:-all}
+# a device call carries at most 64 MiB: one part plus the repository's tracked files (16 MiB late on 2026-12-04;
+# 52 MiB parts stopped fitting as results/ grew, and 44 left no room to grow). Refuse a part size that leaves
+# less than 4 MiB to spare.
 [[ $PART =~ ^[0-9]+$ ]] || { echo "gpu_site: PART_MIB must be a whole number of MiB, got '$PART'"; exit 2; }
 repo_mib=$(( ($(git ls-files -z | du -cb --files0-from=- | tail -1 | cut -f1) + 1048575) / 1048576 ))
 (( PART + repo_mib + 4 <= 64 )) || { echo "gpu_site: a part of $PART MiB beside the repository's $repo_mib MiB leaves under 4 of the 64 MiB a device call carries; PART_MIB must be at most $((60 - repo_mib))"; exit 2; }
