@@ -3,7 +3,10 @@
 
 rule report_tables:
     """main.{csv,md,tex} (the compact table), summary.* (one row per arm, every column), per_seed.*,
-    timing.* (per arm and phase, with spreads and intervals), comparison.md, with provenance.
+    timing.* (per arm and phase, with spreads and intervals), comparison.md, with provenance; with reruns of
+    the RL stage committed under results/<exp>/reruns/ (made by hand, not by this workflow) also reruns.* and
+    the main table's further-run column. Reruns are not inputs: adding one does not make this rule run again
+    (run `isoexec report tables --exp-dir results/<exp>`).
     """
     input:
         RL_METRICS,
