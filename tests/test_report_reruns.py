@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from isoexec.report import reruns, tables
+from isoexec.report.data import load_metrics
 from tests.test_report_tables import write_synthetic_runs
 
 
@@ -72,7 +73,8 @@ def exp_with_reruns(tmp_path: Path) -> Path:
 def test_rerun_table_predicts_each_run_from_the_runs_before_it(exp_with_reruns):
     table = reruns.rerun_table(exp_with_reruns)
     assert list(table["run"]) == ["committed", "1", "2", "further run"]
-    per_run = {r: list(reruns.seed_overheads(d)["isoexec"].values()) for r, d in reruns.run_dirs(exp_with_reruns)}
+    per_run = {r: list(reruns.seed_overheads(tables.paired_times(load_metrics(d)))["isoexec"].values())
+               for r, d in reruns.run_dirs(exp_with_reruns)}
     means = {r: float(np.mean(u)) for r, u in per_run.items()}
     row = table.set_index("run").loc
     assert math.isnan(row["committed", "predicted_lo"]) and row["committed", "inside"] is None

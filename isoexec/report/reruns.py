@@ -106,10 +106,11 @@ def run_dirs(exp_dir: str | Path) -> list[tuple[str, Path]]:
     return [("committed", exp_dir), *((p.name, p) for p in reruns)]
 
 
-def seed_overheads(run_dir: Path) -> dict[str, dict[int, float]]:
-    """Per arm (not native) and seed: the paired step overhead in percent of one run."""
+def seed_overheads(times: dict[tuple[str, int], tuple[np.ndarray, np.ndarray]]) -> dict[str, dict[int, float]]:
+    """Per arm (not native) and seed: the paired step overhead in percent, from one run's
+    :func:`isoexec.report.tables.paired_times`."""
     out: dict[str, dict[int, float]] = {}
-    for (arm, seed), v in paired_times(load_metrics(run_dir)).items():
+    for (arm, seed), v in times.items():
         out.setdefault(arm, {})[seed] = 100.0 * (float(_ratio_of_sums(*v)) - 1.0)
     return out
 
@@ -144,8 +145,8 @@ def rerun_table(exp_dir: str | Path, level: float = INTERVAL) -> pd.DataFrame:
                                f"not in the committed run: {extra}")
     rows, means, pooled = [], {}, {}
     for name, d in runs:
-        per = seed_overheads(d)
         times = paired_times(load_metrics(d))
+        per = seed_overheads(times)
         for arm in sorted(per, key=arm_sort_key):
             units = [per[arm][s] for s in sorted(per[arm])]
             m = float(np.mean(units))
@@ -175,7 +176,8 @@ def rerun_table(exp_dir: str | Path, level: float = INTERVAL) -> pd.DataFrame:
 
 
 def further_run(table: pd.DataFrame) -> dict[str, tuple[float, float, float]]:
-    """Per arm, ``(mean over every run's seeds, low, high)``: the ``further run`` rows of :func:`rerun_table`."""
+    """Per arm, ``(mean of the runs' overheads, low, high)``: the ``further run`` rows of :func:`rerun_table`
+    (runs as units)."""
     return {r.arm: (r.overhead_pct, r.predicted_lo, r.predicted_hi)
             for r in table[table["run"] == "further run"].itertuples()}
 
