@@ -58,22 +58,50 @@ def test_interpreted_gradient_check_sees_a_wrong_gradient_negative_control():
 
 
 def test_moe_expert_stacks_are_cached_per_layer_and_follow_in_place_updates():
-    """The Triton MoE stacks a layer's expert weights once: two layers alternating keep one stack each
-    (before, one cache slot per weight kind restacked every layer on every call), and an in-place update
-    of any expert (a weight sync) gives a fresh stack. Runs on the CPU: the cache is plain torch."""
+    """The Triton MoE stacks a layer's expert weights once: two layers alternating keep their stacks (before,
+    one cache slot per weight kind restacked every layer on every call), an in-place update of any expert
+    weight of any kind (a weight sync) gives fresh stacks, and so does a weight at another address. Runs on
+    the CPU: the cache is plain torch."""
     import torch
 
-    from isoexec.kernels.moe.triton import _stacked
+    from isoexec.kernels.moe.triton import _stacks
 
     layers = [[tuple(torch.randn(4, 3) for _ in range(3)) for _ in range(5)] for _ in range(2)]
-    first = [_stacked(ex, 2) for ex in layers]
-    assert all(_stacked(ex, 2) is s for ex, s in zip(layers, first))
-    assert all(torch.equal(s, torch.stack([e[2] for e in ex])) for ex, s in zip(layers, first))
-    with torch.no_grad():
-        layers[1][3][2].add_(1.0)
-    fresh = _stacked(layers[1], 2)
-    assert fresh is not first[1] and torch.equal(fresh[3], layers[1][3][2])
-    assert _stacked(layers[0], 2) is first[0]
+    first = [_stacks(ex) for ex in layers]
+    assert all(_stacks(ex) is s for ex, s in zip(layers, first))
+    assert all(torch.equal(s[k], torch.stack([e[k] for e in ex])) for ex, s in zip(layers, first) for k in range(3))
+    for kind in range(3):
+        before = _stacks(layers[1])
+        with torch.no_grad():
+            layers[1][3][kind].add_(1.0)
+        fresh = _stacks(layers[1])
+        assert fresh is not before and torch.equal(fresh[kind][3], layers[1][3][kind])
+    moved = [list(e) for e in layers[1]]
+    moved[4][0] = moved[4][0].clone()  # same values, another storage: a stale stack would still be right by luck
+    assert _stacks([tuple(e) for e in moved]) is not _stacks(layers[1])
+    assert _stacks(layers[0]) is first[0]
+
+
+def test_moe_expert_weight_list_is_reused_until_a_weight_parameter_is_replaced():
+    """``SparseMoE.expert_weights`` hands the kernel set one list while no expert Parameter is reassigned; after
+    ``load_state_dict(assign=True)`` or ``.to()`` it holds the module's current Parameters (negative control: the
+    old list no longer does)."""
+    import torch
+
+    from isoexec.config import ModelSection
+    from isoexec.model.hf import hf_config
+    from isoexec.model.layers import SparseMoE
+
+    moe = SparseMoE(hf_config(ModelSection()))
+    ws = moe.expert_weights()
+    assert moe.expert_weights() is ws and ws[1][2] is moe.experts[1].down_proj.weight
+    sd = {k: torch.randn_like(v) for k, v in moe.state_dict().items()}
+    moe.load_state_dict(sd, assign=True)
+    assert ws[1][2] is not moe.experts[1].down_proj.weight  # the old list is stale
+    fresh = moe.expert_weights()
+    assert fresh[1][2] is moe.experts[1].down_proj.weight and torch.equal(fresh[1][2], sd["experts.1.down_proj.weight"])
+    moe.to(torch.float64)
+    assert all(w.dtype == torch.float64 for e in moe.expert_weights() for w in e)
 
 
 _CONV_CASE = r"""
@@ -124,3 +152,27 @@ def test_triton_conv1d_one_launch_over_every_piece_equals_each_piece_alone_in_th
         assert res[dt] == {"batched_eq_alone": True, "prefixes_eq_alone": True, "prefixes_eq_native": True,
                            "chunked_eq_whole": True, "native_differs": True}, (dt, res[dt])
     assert res["grad_eq_native"]
+
+
+def test_grouped_gemm_tile_table_is_the_expert_by_expert_row_blocks():
+    """The grouped GEMM's vectorised tile table equals the plain loop over experts and row blocks it replaced
+    (experts with no rows get no tile), whatever the counts and BM; a table of another BM differs."""
+    import random
+
+    from isoexec.kernels.gemm.triton import _group_tiles
+
+    def loop(counts, bm):
+        tiles, r = [], 0
+        for e, c in enumerate(counts):
+            tiles += [(e, r + s, r + c) for s in range(0, c, bm)]
+            r += c
+        return [list(col) for col in zip(*tiles)]
+
+    rng = random.Random(0)
+    for _ in range(100):
+        counts = [rng.choice([0, 0, 1, 2, 15, 16, 17, 64, 129]) for _ in range(rng.randint(1, 40))]
+        bm = rng.choice([16, 32, 64, 128])
+        meta, n = _group_tiles(counts, bm, "cpu")
+        want = loop(counts, bm)
+        assert (meta is None and n == 0) if not want else (meta.tolist() == want and n == len(want[0]))
+    assert _group_tiles([40, 3], 16, "cpu")[0].tolist() != loop([40, 3], 32)

@@ -16,7 +16,7 @@ class SequenceCache:
             ``UnifiedModel.engine_step`` refuses a cache of another fingerprint.
         position: tokens consumed so far (the absolute position of the next token).
         kv: attention layer index -> (K, V) buffers ``[capacity, Hkv, D]`` in the boundary dtype, of
-            which the first ``position`` rows are the sequence's keys and values (:meth:`append_kv`).
+            which the first ``position`` rows are the sequence's keys and values (:func:`append_kv`).
         conv: GDN layer index -> the last ``Kc - 1`` conv inputs ``[Kc-1, conv_dim]``.
         gdn: GDN layer index -> the kernel set's state (for isoexec a ``CPRState``, which records its
             chunk size C: fp32 running and chunk-entry states plus the open chunk's inputs; the
@@ -29,20 +29,40 @@ class SequenceCache:
     conv: dict[int, torch.Tensor] = field(default_factory=dict)
     gdn: dict[int, object] = field(default_factory=dict)
 
-    def append_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append this step's keys/values ``[n, Hkv, D]`` of ``layer`` after the ``position`` cached rows
-        (buffers grow by doubling, so a decode step copies nothing old).
+    def reserve_kv(self, layer: int, n: int, like_k: torch.Tensor, like_v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Room for ``n`` more keys/values of ``layer`` after the ``position`` cached rows (buffers grow by doubling,
+        so a decode step copies nothing old).
 
         Returns:
-            (K, V) ``[position + n, Hkv, D]``: views of every key and value of the sequence so far.
+            (K, V) buffers ``[capacity >= position + n, Hkv, D]`` (dtype and device of ``like_k`` / ``like_v``).
         """
-        end = self.position + k.shape[0]
-        kbuf, vbuf = self.kv[layer] if layer in self.kv else (k.new_empty((0, *k.shape[1:])), v.new_empty((0, *v.shape[1:])))
+        end = self.position + n
+        kbuf, vbuf = self.kv[layer] if layer in self.kv else (like_k.new_empty((0, *like_k.shape[1:])),
+                                                               like_v.new_empty((0, *like_v.shape[1:])))
         if kbuf.shape[0] < end:
             cap = max(end, 2 * kbuf.shape[0], 16)
-            kbuf = torch.cat([kbuf[: self.position], k.new_empty((cap - self.position, *k.shape[1:]))])
-            vbuf = torch.cat([vbuf[: self.position], v.new_empty((cap - self.position, *v.shape[1:]))])
+            kbuf = torch.cat([kbuf[: self.position], kbuf.new_empty((cap - self.position, *kbuf.shape[1:]))])
+            vbuf = torch.cat([vbuf[: self.position], vbuf.new_empty((cap - self.position, *vbuf.shape[1:]))])
             self.kv[layer] = (kbuf, vbuf)
-        kbuf[self.position : end] = k
-        vbuf[self.position : end] = v
-        return kbuf[:end], vbuf[:end]
+        return kbuf, vbuf
+
+
+def append_kv(caches: list[SequenceCache], layer: int, ks: list[torch.Tensor], vs: list[torch.Tensor]
+              ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Append each sequence piece's keys/values ``[n_b, Hkv, D]`` of ``layer`` after its cache's ``position`` rows,
+    all pieces in one fused copy (``torch._foreach_copy_``; one copy launch per piece and tensor before: 2B launches
+    per attention layer and decode step).
+
+    Returns:
+        per piece (K, V) ``[position_b + n_b, Hkv, D]``: views of every key and value of the sequence so far.
+    """
+    dst, src, out = [], [], []
+    for c, k, v in zip(caches, ks, vs):
+        kbuf, vbuf = c.reserve_kv(layer, k.shape[0], k, v)
+        end = c.position + k.shape[0]
+        dst += [kbuf[c.position : end], vbuf[c.position : end]]
+        src += [k, v]
+        out.append((kbuf[:end], vbuf[:end]))
+    if dst:
+        torch._foreach_copy_(dst, src)
+    return out

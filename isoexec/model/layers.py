@@ -18,14 +18,31 @@ from torch import nn
 
 from isoexec.kernels import KernelSet
 from isoexec.kernels.attention.rope import rope_cos_sin
+from isoexec.model.cache import append_kv
 
 
 class W(nn.Module):
-    """A named weight holder (``<name>.weight``), so parameter names match the HF checkpoint."""
+    """A named weight holder (``<name>.weight``), so parameter names match the HF checkpoint.
+
+    :attr:`epoch` counts every assignment of a ``weight`` (construction, ``load_state_dict(assign=True)``, a
+    plain ``w.weight = p``, any ``.to()``): a list of weight tensors built at one epoch holds the current Parameter objects
+    as long as the epoch is the same (:meth:`SparseMoE.expert_weights`). In-place changes (weight syncs,
+    optimizer steps) keep the objects and are seen by the tensors' own version and address."""
+
+    epoch = 0
 
     def __init__(self, *shape: int):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(*shape))
+
+    def __setattr__(self, name, value):
+        if name == "weight":
+            W.epoch += 1
+        super().__setattr__(name, value)
+
+    def _apply(self, fn, recurse=True):  # .to() / .cuda() may replace Parameter objects (overwrite-on-conversion)
+        W.epoch += 1
+        return super()._apply(fn, recurse)
 
 
 class Batch:
@@ -40,18 +57,18 @@ class Batch:
 
     def __init__(self, seq_rows, starts, caches, grad, n_rows, inv_freq, dtype):
         dev = inv_freq.device
-        self.seq_rows = [r.to(dev) for r in seq_rows]
         self.starts, self.caches, self.grad = starts, caches, grad
         self.lengths = [int(r.numel()) for r in seq_rows]
-        self.all_rows = torch.cat(self.seq_rows) if seq_rows else torch.zeros(0, dtype=torch.long, device=dev)
+        rows = torch.cat([r.cpu() for r in seq_rows]) if seq_rows else torch.zeros(0, dtype=torch.long)
         # the pieces are rows 0..N-1 in order (packed batches, engine steps): gathers and scatters are identities
-        self.dense = sum(self.lengths) == n_rows and torch.equal(self.all_rows.cpu(), torch.arange(n_rows))
+        self.dense = sum(self.lengths) == n_rows and torch.equal(rows, torch.arange(n_rows))
         lengths = torch.tensor(self.lengths, dtype=torch.long)
         first = torch.cumsum(lengths, 0) - lengths  # each piece's first index in all_rows
         within = torch.arange(int(lengths.sum())) - torch.repeat_interleave(first, lengths)
         positions = torch.zeros(n_rows, dtype=torch.long)
-        positions[self.all_rows.cpu()] = torch.repeat_interleave(torch.tensor(starts, dtype=torch.long), lengths) + within
-        self.positions = positions.to(dev)
+        positions[rows] = torch.repeat_interleave(torch.tensor(starts, dtype=torch.long), lengths) + within
+        both = torch.cat([rows, positions]).to(dev)  # one copy to the device per forward
+        self.all_rows, self.positions = both[: rows.numel()], both[rows.numel() :]
         self.rope = rope_cos_sin(self.positions, inv_freq, dtype)
 
     def pieces(self, *xs: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
@@ -93,10 +110,19 @@ class SparseMoE(nn.Module):
         self.shared_expert_gate = W(1, h)
         # Qwen3.5 always renormalises the top-k weights (its config has no norm_topk_prob field)
         self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, getattr(cfg, "norm_topk_prob", True)
+        self._expert_weights: tuple[int, list] = (-1, [])
+
+    def expert_weights(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Per expert its (gate, up, down) weights: one list, rebuilt only when some weight Parameter was
+        reassigned (:attr:`W.epoch`); walking 3E submodule attributes every call cost a millisecond a layer
+        at 256 experts."""
+        if self._expert_weights[0] != W.epoch:
+            self._expert_weights = (W.epoch, [e.weights() for e in self.experts])
+        return self._expert_weights[1]
 
     def forward(self, ks: KernelSet, x):
         weights, ids = ks["moe.router"](x, self.gate.weight, self.top_k, self.norm_topk_prob)
-        y = ks["moe.experts"](x, ids, [e.weights() for e in self.experts])
+        y = ks["moe.experts"](x, ids, self.expert_weights())
         shared = ks["mlp.shared_expert"](x, self.shared_expert.weights(), self.shared_expert_gate.weight)
         return ks["moe.combine"](y, weights, ids, shared, x.dtype)
 
@@ -124,11 +150,13 @@ class Attention(nn.Module):
         k = ks["norm.rms"](proj(x, self.k_proj.weight).view(n, self.hkv, self.d), self.k_norm.weight, self.eps)
         v = proj(x, self.v_proj.weight).view(n, self.hkv, self.d)
         q, k = ks["attn.rope"](q, *batch.rope), ks["attn.rope"](k, *batch.rope)
-        kv = []
-        for kb, vb, cache in zip(*batch.pieces(k, v), batch.caches):
-            if cache is not None:
-                kb, vb = cache.append_kv(self.layer_idx, kb.detach(), vb.detach())
-            kv.append((kb, vb))
+        kv = list(zip(*batch.pieces(k, v)))
+        cached = [i for i, c in enumerate(batch.caches) if c is not None]
+        if cached:
+            full = append_kv([batch.caches[i] for i in cached], self.layer_idx, [kv[i][0].detach() for i in cached],
+                             [kv[i][1].detach() for i in cached])
+            for i, pair in zip(cached, full):
+                kv[i] = pair
         o = ks["attn.core"](batch.gather(q), kv, batch.starts, batch.lengths)
         o = batch.scatter(o, n)
         o = ks["attn.gate"](o.reshape(n, self.hq * self.d), gate)
@@ -177,8 +205,9 @@ class GatedDeltaNet(nn.Module):
         q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         g, beta = ks["gdn.gating"](a, b, self.A_log, self.dt_bias)
         r = self.hv // self.hk
-        q = ks["gdn.l2norm"](q.reshape(n, self.hk, self.dk)).repeat_interleave(r, dim=1)
-        k = ks["gdn.l2norm"](k.reshape(n, self.hk, self.dk)).repeat_interleave(r, dim=1)
+        # each key head's rows repeated r times (head h serves value heads h*r .. h*r + r - 1)
+        q = ks["gdn.l2norm"](q.reshape(n, self.hk, self.dk))[:, :, None].expand(n, self.hk, r, self.dk).reshape(n, self.hv, self.dk)
+        k = ks["gdn.l2norm"](k.reshape(n, self.hk, self.dk))[:, :, None].expand(n, self.hk, r, self.dk).reshape(n, self.hv, self.dk)
         v = v.reshape(n, self.hv, self.dv).float()
         states = [None if c is None else c.gdn.get(self.layer_idx) for c in batch.caches]
         o, new_states = ks["gdn.core"](*map(batch.gather, (q, k, v, g, beta)), batch.lengths, states, batch.grad)

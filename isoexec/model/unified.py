@@ -51,6 +51,7 @@ class UnifiedModel(nn.Module):
         factor = rp.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
         # fp32 RoPE frequencies, a plain attribute so that ``.to(dtype)`` never rounds them.
         self.inv_freq = rope_inv_freq(head_dim, factor, theta)
+        self._inv_freq_on = (self.inv_freq, self.inv_freq)  # (source, its copy on the parameters' device): :meth:`_run`
         self.to(dtype)
 
     @property
@@ -70,7 +71,10 @@ class UnifiedModel(nn.Module):
 
     def _run(self, ids, seq_rows, starts, caches, grad: bool, rows_out=None):
         dev = self.model.embed_tokens.weight.device
-        batch = Batch(seq_rows, starts, caches, grad, ids.numel(), self.inv_freq.to(dev), self.dtype)
+        src, on = self._inv_freq_on
+        if src is not self.inv_freq or on.device != dev:  # one copy per device, not one per forward
+            self._inv_freq_on = (self.inv_freq, self.inv_freq.to(dev))
+        batch = Batch(seq_rows, starts, caches, grad, ids.numel(), self._inv_freq_on[1], self.dtype)
         ids = ids.to(dev)
         with torch.set_grad_enabled(grad):
             h = self._hidden(ids, batch)
@@ -150,18 +154,16 @@ class UnifiedModel(nn.Module):
             raise InputError("empty input: engine_step needs at least one chunk, each of at least one token")
         ids = torch.cat(chunks)
         check_token_ids(ids, self.config.vocab_size, "chunks (concatenated)")  # one check (one sync) per step
-        rows, r0 = [], 0
-        for c in chunks:
-            rows.append(torch.arange(r0, r0 + c.numel()))
-            r0 += c.numel()
+        lens = [c.numel() for c in chunks]
+        rows = list(torch.arange(ids.numel()).split(lens))
         starts = [c.position for c in caches]
-        rows_out = torch.stack([r[-1] for r in rows]) if last_only else None
+        rows_out = torch.cumsum(torch.tensor(lens), 0) - 1 if last_only else None
         out = self._run(ids, rows, starts, caches, False, rows_out)
-        for c, ch in zip(caches, chunks):
-            c.position += ch.numel()
+        for c, n in zip(caches, lens):
+            c.position += n
         if last_only:
             return list(out.unsqueeze(1).unbind(0))
-        return list(out.split([c.numel() for c in chunks]))
+        return list(out.split(lens))
 
     # ------------------------------------------------------------------------- checkpoints, contract
     @staticmethod

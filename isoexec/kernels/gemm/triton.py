@@ -323,18 +323,31 @@ def linear(x: torch.Tensor, w: torch.Tensor, cfg, out_dtype: torch.dtype | None 
     return y
 
 
-def _group_tiles(counts: list[int], bm: int, device) -> tuple[torch.Tensor, int]:
-    te, t0, t1 = [], [], []
-    r = 0
-    for e, c in enumerate(counts):
-        for s in range(0, c, bm):
-            te.append(e)
-            t0.append(r + s)
-            t1.append(r + c)
-        r += c
-    if not te:
+_TILES: dict[tuple, tuple] = {}
+"""The last few tile tables of :func:`_group_tiles` by (BM, device, counts): an MoE layer's gate and up GEMMs share one."""
+
+
+def _group_tiles(counts: list[int], bm: int, device) -> tuple[torch.Tensor | None, int]:
+    """The grouped GEMM's tile table: for expert e (ascending) and its rows in blocks of ``bm`` (ascending), a tile
+    (expert, first row, end of the expert's rows), as ``[3, n_tiles]`` int32 on ``device``; (None, 0) for no rows.
+    Built with a few vectorised CPU ops and one copy to the device (a Python loop over experts before)."""
+    key = (bm, str(device), tuple(counts))
+    hit = _TILES.get(key)
+    if hit is not None:
+        return hit
+    c = torch.tensor(counts, dtype=torch.int64)
+    nt = (c + bm - 1) // bm
+    n_t = int(nt.sum())
+    if not n_t:
         return None, 0
-    return torch.tensor([te, t0, t1], dtype=torch.int32).to(device, non_blocking=True), len(te)
+    te = torch.repeat_interleave(torch.arange(c.numel()), nt)
+    start = torch.cumsum(c, 0) - c
+    t0 = start[te] + (torch.arange(n_t) - (torch.cumsum(nt, 0) - nt)[te]) * bm
+    hit = (torch.stack([te, t0, (start + c)[te]]).to(torch.int32).to(device, non_blocking=True), n_t)
+    if len(_TILES) >= 8:
+        _TILES.pop(next(iter(_TILES)))
+    _TILES[key] = hit
+    return hit
 
 
 def grouped_linear(x: torch.Tensor, w: torch.Tensor, counts: list[int], cfg,

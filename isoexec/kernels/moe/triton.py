@@ -26,21 +26,24 @@ from isoexec.kernels.moe.routing import iso_route
 from isoexec.kernels.primitives import sigmoid, silu
 
 _STACK_CACHE: dict[int, tuple] = {}
-"""One entry per (layer, weight kind): ``id`` of its first expert weight -> (weak reference to it, the
-weights' (storage, version) key, the ``[E, N, K]`` stack)."""
+"""One entry per layer: ``id`` of its first expert weight -> (weak reference to it, the key of every expert weight
+(storage address and version, in order), the three ``[E, N, K]`` stacks)."""
 
 
-def _stacked(experts, which: int) -> torch.Tensor:
-    """``[E, N, K]`` stack of one weight kind of one layer's experts, cached per layer while the weights are
-    unchanged (same storage and version); an entry goes when its model does."""
-    ws = [e[which] for e in experts]
-    key = tuple((w.data_ptr(), w._version) for w in ws)
-    hit = _STACK_CACHE.get(id(ws[0]))
-    if hit is None or hit[0]() is not ws[0] or hit[1] != (which, key):
+def _stacks(experts) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The ``[E, N, K]`` stacks of one layer's expert weights (gate, up, down), cached per layer while every weight
+    is unchanged: the same storage and version (an in-place update, a weight sync, bumps the version); an entry
+    goes when its model does. The key is two flat lists over the layer's 3E tensors (the check costs tens of
+    microseconds a call, where one tuple per tensor cost a millisecond at 256 experts)."""
+    flat = [w for e in experts for w in e]
+    key = (list(map(torch.Tensor.data_ptr, flat)), [w._version for w in flat])
+    hit = _STACK_CACHE.get(id(flat[0]))
+    if hit is None or hit[0]() is not flat[0] or hit[1] != key:
         for k in [k for k, v in _STACK_CACHE.items() if v[0]() is None]:
             del _STACK_CACHE[k]
-        hit = (weakref.ref(ws[0]), (which, key), torch.stack([w.detach() for w in ws]))
-        _STACK_CACHE[id(ws[0])] = hit
+        stacks = tuple(torch.stack([w.detach() for w in flat[i::3]]) for i in range(3))
+        hit = (weakref.ref(flat[0]), key, stacks)
+        _STACK_CACHE[id(flat[0])] = hit
     return hit[2]
 
 
@@ -55,6 +58,8 @@ def experts(x, ids, expert_weights, cfg, leaves: int) -> torch.Tensor:
     """Region ``moe.experts``: grouped SwiGLU over (token, rank) rows sorted by expert (stable), one
     launch per GEMM, ``down_proj`` as ``leaves`` leaf GEMMs. Returns ``[N, k, H]`` fp32; its gradient
     is :func:`experts_reference`'s."""
+    if not torch.is_grad_enabled():  # engine steps, trainer_score: no autograd wrapper over 3E tensors
+        return _experts(x, ids, expert_weights, cfg, leaves)
     flat_w = [w for e in expert_weights for w in e]
     ne = len(expert_weights)
 
@@ -72,7 +77,7 @@ def _experts(x, ids, expert_weights, cfg, leaves: int) -> torch.Tensor:
     order = torch.sort(flat, stable=True).indices
     counts = torch.bincount(flat, minlength=len(expert_weights)).tolist()
     xs = x[order // top_k]
-    wg, wu, wd = (_stacked(expert_weights, i) for i in range(3))
+    wg, wu, wd = _stacks(expert_weights)
     h = (silu(grouped_linear(xs, wg, counts, cfg).float()) * grouped_linear(xs, wu, counts, cfg).float()).to(x.dtype)
     y = torch.empty((n * top_k, hdim), device=x.device, dtype=torch.float32)
     y[order] = grouped_linear_leaves(h, wd, counts, cfg, leaves).float()
