@@ -33,7 +33,10 @@ def test_digests_agree_for_the_same_code_and_differ_for_other_weights(tmp_path):
     # near-uniform rows of a tiny random model may sample the same tokens; the rows themselves differ
     assert rows["other"]["last_rows_sha256"] != rows["this"]["last_rows_sha256"]
     assert (out / "profile_this.txt").read_text().startswith("# cProfile")
-    assert (out / "provenance.json").exists()
+    import json
+
+    trees = json.loads((out / "provenance.json").read_text())["trees"]
+    assert trees["same"]["isoexec_sha256"] == trees["this"]["isoexec_sha256"] != trees["other"]["isoexec_sha256"]
 
 
 @pytest.mark.parametrize("args, msg", [(["--tree", "nopath"], "expected NAME=PATH"),

@@ -77,31 +77,76 @@ def test_moe_expert_stacks_are_cached_per_layer_and_follow_in_place_updates():
         fresh = _stacks(layers[1])
         assert fresh is not before and torch.equal(fresh[kind][3], layers[1][3][kind])
     moved = [list(e) for e in layers[1]]
-    moved[4][0] = moved[4][0].clone()  # same values, another storage: a stale stack would still be right by luck
-    assert _stacks([tuple(e) for e in moved]) is not _stacks(layers[1])
+    moved[4][0] = moved[4][0] * 2  # another storage (and other values): a fresh stack holding them
+    got = _stacks([tuple(e) for e in moved])
+    assert got is not _stacks(layers[1]) and torch.equal(got[0][4], moved[4][0])
     assert _stacks(layers[0]) is first[0]
 
 
-def test_moe_expert_weight_list_is_reused_until_a_weight_parameter_is_replaced():
-    """``SparseMoE.expert_weights`` hands the kernel set one list while no expert Parameter is reassigned; after
-    ``load_state_dict(assign=True)`` or ``.to()`` it holds the module's current Parameters (negative control: the
-    old list no longer does)."""
+def _moe_probe():
     import torch
 
     from isoexec.config import ModelSection
     from isoexec.model.hf import hf_config
     from isoexec.model.layers import SparseMoE
 
-    moe = SparseMoE(hf_config(ModelSection()))
-    ws = moe.expert_weights()
-    assert moe.expert_weights() is ws and ws[1][2] is moe.experts[1].down_proj.weight
+    class Probe(torch.nn.Module):  # functional_call needs a forward; it returns the list the kernel set gets
+        def __init__(self):
+            super().__init__()
+            self.moe = SparseMoE(hf_config(ModelSection()))
+
+        def forward(self):
+            return self.moe.expert_weights()
+
+    return Probe()
+
+
+def _replacements(probe):
+    """Every way torch replaces an expert's Parameter or submodule; per way, whether the list the kernel set
+    gets afterwards holds the module's current tensors."""
+    import torch
+    from torch.func import functional_call
+
+    from isoexec.model.layers import W
+
+    moe, ok = probe.moe, {}
+    moe.expert_weights()
     sd = {k: torch.randn_like(v) for k, v in moe.state_dict().items()}
     moe.load_state_dict(sd, assign=True)
-    assert ws[1][2] is not moe.experts[1].down_proj.weight  # the old list is stale
-    fresh = moe.expert_weights()
-    assert fresh[1][2] is moe.experts[1].down_proj.weight and torch.equal(fresh[1][2], sd["experts.1.down_proj.weight"])
-    moe.to(torch.float64)
-    assert all(w.dtype == torch.float64 for e in moe.expert_weights() for w in e)
+    ok["load_state_dict(assign=True)"] = moe.expert_weights()[1][2] is moe.experts[1].down_proj.weight
+    ones = torch.ones_like(moe.experts[1].down_proj.weight)
+    seen = functional_call(probe, {"moe.experts.1.down_proj.weight": ones}, ())
+    ok["functional_call"] = seen[1][2] is ones and moe.expert_weights()[1][2] is moe.experts[1].down_proj.weight
+    other = W(*moe.experts[0].gate_proj.weight.shape)
+    moe.experts[0].gate_proj = other
+    ok["submodule swap"] = moe.expert_weights()[0][0] is other.weight
+    torch.__future__.set_overwrite_module_params_on_conversion(True)
+    try:
+        moe.to(torch.float64)
+    finally:
+        torch.__future__.set_overwrite_module_params_on_conversion(False)
+    ok[".to() overwriting"] = moe.expert_weights()[2][1] is moe.experts[2].up_proj.weight
+    return ok
+
+
+def test_moe_expert_weight_list_is_reused_until_a_weight_parameter_is_replaced():
+    """``SparseMoE.expert_weights`` hands the kernel set one list while no expert Parameter or submodule is
+    replaced, and the module's current tensors after any replacement torch offers."""
+    probe = _moe_probe()
+    ws = probe.moe.expert_weights()
+    assert probe.moe.expert_weights() is ws and ws[1][2] is probe.moe.experts[1].down_proj.weight
+    ok = _replacements(probe)
+    assert all(ok.values()), ok
+
+
+def test_moe_expert_weight_list_goes_stale_without_the_counting_dicts_negative_control(monkeypatch):
+    """With the dicts' counting switched off the same replacements leave a stale list: the test above can fail."""
+    from isoexec.model import layers
+
+    probe = _moe_probe()
+    monkeypatch.setattr(layers._EpochDict, "__setitem__", dict.__setitem__)
+    ok = _replacements(probe)
+    assert not any(ok.values()), ok
 
 
 _CONV_CASE = r"""

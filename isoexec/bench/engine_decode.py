@@ -12,7 +12,8 @@ decode step costs here is what the plugin's ``engine_step`` costs inside vLLM, w
 Each tree (``--tree NAME=PATH``, its ``isoexec`` package imported from PATH; ``this`` is this checkout) runs in a
 process of its own; the trees alternate ``--reps`` times, so a drifting machine shows in both. Per (tree, rep,
 batch) ``decode.csv`` records the milliseconds per decode step and the sha256 of every sampled token and of the
-last step's fp32 rows: equal digests across trees say that a change kept the bits. ``profile_<tree>.txt``: one
+last step's fp32 rows: equal digests across trees say that a change kept the bits. ``provenance.json`` names each
+tree by the sha256 of its ``isoexec`` package (:func:`tree_digest`). ``profile_<tree>.txt``: one
 generate at the first batch size under cProfile (Python time by function) and torch.profiler (CUDA time and CPU
 time per op, launches per step). ``provenance.json`` beside them.
 """
@@ -42,6 +43,16 @@ def parse_tree(text: str) -> tuple[str, str]:
     if not (Path(path) / "isoexec" / "__init__.py").exists():
         raise ValueError(f"--tree {text!r}: {path} holds no isoexec package")
     return name, str(Path(path).resolve())
+
+
+def tree_digest(path: str) -> str:
+    """sha256 of a tree's ``isoexec`` package: every file but caches and built libraries, by relative path, in order
+    (what ``--tree`` measured, when the tree is not a git checkout)."""
+    h = hashlib.sha256()
+    root = Path(path) / "isoexec"
+    for f in sorted(q for q in root.rglob("*") if q.is_file() and "__pycache__" not in q.parts and q.suffix != ".so"):
+        h.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()
 
 
 def _worker(config: str, batches: list[int], steps: int, prompt_len: int, profile_out: str | None) -> list[dict]:
@@ -119,7 +130,8 @@ def run(config: str, out_dir: str, trees: list[tuple[str, str]], batches: list[i
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "provenance.json").write_text(json.dumps(
-        {"provenance": provenance(), "config": config, "trees": dict(trees), "batches": batches, "steps": steps,
+        {"provenance": provenance(), "config": config,
+         "trees": {n: {"path": pth, "isoexec_sha256": tree_digest(pth)} for n, pth in trees}, "batches": batches, "steps": steps,
          "prompt_len": prompt_len, "reps": reps}, indent=2, sort_keys=True, default=str) + "\n")
     rows = []
     for rep in range(reps):

@@ -50,9 +50,9 @@ class SequenceCache:
 def append_kv(caches: list[SequenceCache], layer: int, ks: list[torch.Tensor], vs: list[torch.Tensor]
               ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Append each sequence piece's keys/values ``[n_b, Hkv, D]`` of ``layer`` after its cache's ``position`` rows,
-    all pieces in one call (``torch._foreach_copy_``: one dispatch instead of 2B per attention layer and step; torch
-    fuses the copies into few launches only where its fast path takes the tensors, which the H200 profile of
-    ``results/h200-vllm/08dd807`` shows it did not: the launches per forward stayed the same).
+    all pieces in one fused copy (``torch._foreach_copy_``; 2B device-to-device copies per attention layer and step
+    before: the H200 profiles of ``results/h200-vllm/08dd807`` list 84 device-to-device copies per forward before,
+    too few to list after).
 
     Returns:
         per piece (K, V) ``[position_b + n_b, Hkv, D]``: views of every key and value of the sequence so far.

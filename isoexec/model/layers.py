@@ -21,28 +21,42 @@ from isoexec.kernels.attention.rope import rope_cos_sin
 from isoexec.model.cache import append_kv
 
 
+class _EpochDict(dict):
+    """A module's ``_parameters`` / ``_modules`` dict that counts its changes in :attr:`W.epoch`: every way torch
+    replaces a parameter or a submodule (``setattr``, ``register_parameter``, ``load_state_dict(assign=True)``,
+    ``.to()`` under overwrite-on-conversion, ``torch.func.functional_call``) goes through ``__setitem__``."""
+
+    def __setitem__(self, key, value):
+        W.epoch += 1
+        super().__setitem__(key, value)
+
+    def __delitem__(self, key):
+        W.epoch += 1
+        super().__delitem__(key)
+
+
+def _count_changes(module: nn.Module, *names: str) -> None:
+    """Make ``module``'s dicts ``names`` (``"_parameters"``, ``"_modules"``) :class:`_EpochDict`\\ s."""
+    for name in names:
+        object.__setattr__(module, name, _EpochDict(getattr(module, name)))
+
+
 class W(nn.Module):
     """A named weight holder (``<name>.weight``), so parameter names match the HF checkpoint.
 
-    :attr:`epoch` counts every assignment of a ``weight`` (construction, ``load_state_dict(assign=True)``, a
-    plain ``w.weight = p``, any ``.to()``): a list of weight tensors built at one epoch holds the current Parameter objects
-    as long as the epoch is the same (:meth:`SparseMoE.expert_weights`). In-place changes (weight syncs,
-    optimizer steps) keep the objects and are seen by the tensors' own version and address."""
+    :attr:`epoch` counts every replacement of a weight Parameter object or of an expert's submodule (see
+    :class:`_EpochDict`): a list of weight tensors built at one epoch holds the module's current Parameter objects
+    while the epoch is the same (:meth:`SparseMoE.expert_weights`). Changes of a Parameter's values keep the
+    objects; the kernel sets that cache derived tensors see them by the tensors' address and version (in-place
+    updates: weight syncs, ``load_state_dict``, optimizer steps), not writes through ``.data``, which bypass the
+    version counter (no isoexec path writes so)."""
 
     epoch = 0
 
     def __init__(self, *shape: int):
         super().__init__()
+        _count_changes(self, "_parameters")
         self.weight = nn.Parameter(torch.zeros(*shape))
-
-    def __setattr__(self, name, value):
-        if name == "weight":
-            W.epoch += 1
-        super().__setattr__(name, value)
-
-    def _apply(self, fn, recurse=True):  # .to() / .cuda() may replace Parameter objects (overwrite-on-conversion)
-        W.epoch += 1
-        return super()._apply(fn, recurse)
 
 
 class Batch:
@@ -92,6 +106,7 @@ class Expert(nn.Module):
 
     def __init__(self, hidden: int, inter: int):
         super().__init__()
+        _count_changes(self, "_modules")
         self.gate_proj, self.up_proj, self.down_proj = W(inter, hidden), W(inter, hidden), W(hidden, inter)
 
     def weights(self):
@@ -106,6 +121,7 @@ class SparseMoE(nn.Module):
         h = cfg.hidden_size
         self.gate = W(cfg.num_experts, h)
         self.experts = nn.ModuleList([Expert(h, cfg.moe_intermediate_size) for _ in range(cfg.num_experts)])
+        _count_changes(self.experts, "_modules")
         self.shared_expert = Expert(h, cfg.shared_expert_intermediate_size)
         self.shared_expert_gate = W(1, h)
         # Qwen3.5 always renormalises the top-k weights (its config has no norm_topk_prob field)
@@ -113,9 +129,9 @@ class SparseMoE(nn.Module):
         self._expert_weights: tuple[int, list] = (-1, [])
 
     def expert_weights(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """Per expert its (gate, up, down) weights: one list, rebuilt only when some weight Parameter was
-        reassigned (:attr:`W.epoch`); walking 3E submodule attributes every call cost a millisecond a layer
-        at 256 experts."""
+        """Per expert its (gate, up, down) weights: one list, rebuilt only when some weight Parameter or expert
+        submodule was replaced (:attr:`W.epoch`); walking 3E submodule attributes every call cost a millisecond a
+        layer at 256 experts."""
         if self._expert_weights[0] != W.epoch:
             self._expert_weights = (W.epoch, [e.weights() for e in self.experts])
         return self._expert_weights[1]

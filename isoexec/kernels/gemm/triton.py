@@ -31,6 +31,7 @@ same bits.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 import triton
@@ -330,20 +331,21 @@ _TILES: dict[tuple, tuple] = {}
 def _group_tiles(counts: list[int], bm: int, device) -> tuple[torch.Tensor | None, int]:
     """The grouped GEMM's tile table: for expert e (ascending) and its rows in blocks of ``bm`` (ascending), a tile
     (expert, first row, end of the expert's rows), as ``[3, n_tiles]`` int32 on ``device``; (None, 0) for no rows.
-    Built with a few vectorised CPU ops and one copy to the device (a Python loop over experts before)."""
+    Built with a few numpy ops and one copy to the device (a Python loop over experts before)."""
     key = (bm, str(device), tuple(counts))
     hit = _TILES.get(key)
     if hit is not None:
         return hit
-    c = torch.tensor(counts, dtype=torch.int64)
+    c = np.asarray(counts, dtype=np.int64)
     nt = (c + bm - 1) // bm
     n_t = int(nt.sum())
     if not n_t:
         return None, 0
-    te = torch.repeat_interleave(torch.arange(c.numel()), nt)
-    start = torch.cumsum(c, 0) - c
-    t0 = start[te] + (torch.arange(n_t) - (torch.cumsum(nt, 0) - nt)[te]) * bm
-    hit = (torch.stack([te, t0, (start + c)[te]]).to(torch.int32).to(device, non_blocking=True), n_t)
+    te = np.repeat(np.arange(c.size), nt)
+    start = np.cumsum(c) - c
+    t0 = start[te] + (np.arange(n_t) - (np.cumsum(nt) - nt)[te]) * bm
+    table = torch.from_numpy(np.stack([te, t0, (start + c)[te]]).astype(np.int32))
+    hit = (table.to(device, non_blocking=True), n_t)
     if len(_TILES) >= 8:
         _TILES.pop(next(iter(_TILES)))
     _TILES[key] = hit
