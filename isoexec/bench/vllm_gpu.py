@@ -47,6 +47,8 @@ import torch
 from isoexec.bench.workers import Worker, WorkerError, engine_main, trainer_main
 
 MODES = ("native", "isoexec")
+SCORE_FLOOR_S = 300.0
+"""Seconds each trainer of the rollout check gets to load and to score at least, past the run's deadline."""
 
 
 def parse_shape(text: str, group: int) -> tuple[int, int, int]:
@@ -164,7 +166,8 @@ def gen_cost(plan: Plan, engines: dict[str, Worker], shapes: list[tuple[int, int
         est = sum((2 if e == "native" else 1) * step_s * new * max(1.0, seqs / s0) for e, (s0, step_s) in per_step.items())
         if per_step and est > plan.left() - reserve_s:
             plan.note(stage="gen_cost_skipped", shape=tag, estimate_s=round(est), left_s=round(plan.left()))
-            rows.append({"shape": tag, "engine": "skipped", "note": f"estimated {est:.0f} s > time left"})
+            rows.append({"shape": tag, "engine": "skipped",
+                         "note": f"estimated {est:.0f} s > {plan.left() - reserve_s:.0f} s (time left less the checks' reserve)"})
             continue
         prompts = prompts_for(vocab, seqs // group, plen, seed=100 + k)
         for rep, name in enumerate(("native", "isoexec", "native")):
@@ -257,7 +260,8 @@ def score_all(plan: Plan, ckpt: Path) -> list[dict[str, Any]]:
     sent = {}
     for key, w in workers.items():
         try:
-            w.submit("score", timeout=max(plan.left(), 120), files=plan.samples[key[0]], chunk_size=k.chunk_size,
+            # at least SCORE_FLOOR_S: at h200-rlstep the unified scorer took over 120 s to load beside two Megatron ones
+            w.submit("score", timeout=max(plan.left(), SCORE_FLOOR_S), files=plan.samples[key[0]], chunk_size=k.chunk_size,
                      kv_block=k.kv_block)
             sent[key] = w
         except WorkerError as e:
@@ -265,7 +269,7 @@ def score_all(plan: Plan, ckpt: Path) -> list[dict[str, Any]]:
     rows = []
     for (mode, backend), w in sent.items():
         try:
-            r = w.result(max(plan.left(), 120))
+            r = w.result(max(plan.left(), SCORE_FLOOR_S))
             rows.append({"mode": mode, "engine": f"vllm-{mode}", "trainer": f"{backend}-{mode}", **r})
             plan.note(stage="rollout_check", mode=mode, trainer=backend, tokens=r["tokens"],
                       mismatch_count=r["mismatch_count"], max_diff=r["logprob_abs_diff_max"],
