@@ -355,8 +355,12 @@ class EngineSection(_Section):
     )
     # GPU (vLLM CUDA) settings; vLLM's defaults where None
     native_cuda_graphs: bool = Field(
-        False, description="native engine with vLLM's torch.compile + CUDA graphs (its best GPU settings); the "
-        "isoexec engine always runs eager (a captured graph would replay the model's dummy forward)"
+        False, description="native engine with vLLM's torch.compile + CUDA graphs (its best GPU settings); vLLM runs "
+        "the isoexec model eager (its captured graph would replay the model's dummy forward)"
+    )
+    isoexec_cuda_graphs: bool = Field(
+        True, description="on CUDA, the isoexec model replays its decode steps from its own CUDA graphs "
+        "(isoexec.model.graphs; the eager step's bits)"
     )
     gpu_memory_utilization: float | None = Field(None, gt=0, le=1, description="vLLM gpu_memory_utilization")
     kv_cache_memory_bytes: PositiveInt | None = Field(

@@ -111,12 +111,12 @@ def test_grouped_leaf_gemm_rows_batch_and_launch_invariant():
 
     x = torch.randn(300, 512, device=DEV, dtype=torch.bfloat16)
     w = torch.randn(4, 256, 512, device=DEV, dtype=torch.bfloat16) * 0.05
-    counts = [100, 0, 150, 50]
+    counts = torch.tensor([100, 0, 150, 50], device=DEV)
     y = grouped_linear_leaves(x, w, counts, CFG, 8, split=True)
     assert torch.equal(y, grouped_linear_leaves(x, w, counts, CFG, 8, split=False))
     two = CFG.model_copy(update={"pik_program_leaves": 2})
     assert torch.equal(y, grouped_linear_leaves(x, w, counts, two, 8, split=False))
-    assert torch.equal(y[120], grouped_linear_leaves(x[120:121], w[2:3], [1], CFG, 8)[0])
+    assert torch.equal(y[120], grouped_linear_leaves(x[120:121], w[2:3], torch.tensor([1], device=DEV), CFG, 8)[0])
     assert _rel(y[100:250].float(), linear_leaves(x[100:250], w[2], CFG, 8).float()) < 1e-2
 
 
@@ -131,8 +131,8 @@ def test_grouped_gemm_matches_per_expert_rows_bitwise():
 
     x = torch.randn(300, 256, device=DEV, dtype=torch.bfloat16)
     w = torch.randn(4, 512, 256, device=DEV, dtype=torch.bfloat16)
-    y = grouped_linear(x, w, [100, 0, 150, 50], CFG)
-    y2 = grouped_linear(x[100:101], w[2:3], [1], CFG)
+    y = grouped_linear(x, w, torch.tensor([100, 0, 150, 50], device=DEV), CFG)
+    y2 = grouped_linear(x[100:101], w[2:3], torch.tensor([1], device=DEV), CFG)
     assert torch.equal(y[100], y2[0])
     assert _rel(y[100:250].float(), linear(x[100:250], w[2], CFG).float()) < 1e-6
 
@@ -278,3 +278,41 @@ def test_moe_rows_batch_invariant():
     y = moe(iso, x, rw, ex, sh, sg, 2)
     assert torch.equal(y[200], moe(iso, x[200:201], rw, ex, sh, sg, 2)[0])
     assert _rel(y.float(), moe(nat, x, rw, ex, sh, sg, 2).float()) < 2e-2
+
+
+@pytest.mark.parametrize("split_rows", [0, 512])  # leaf GEMM: in-register tree (flat K loop) / one leaf per program
+def test_moe_experts_run_without_host_sync_and_replay_in_a_cuda_graph(split_rows):
+    """The experts region (routing counts, device-built tile tables of a static size, three grouped launches)
+    runs with no host sync (CUDA sync debug mode 'error') and is captured in a CUDA graph; replayed on other
+    routings (spread, all rows on one expert) it gives the eager bits, and eager equals the per-expert products
+    to bf16 accuracy. Negative control: ``torch.bincount``, the counts before, syncs."""
+    from isoexec.kernels.moe.triton import _experts, experts_reference
+
+    cfg = CFG.model_copy(update={"pik_split_rows": split_rows})
+    E, H, I, n, k = 8, 256, 512, 40, 2
+    bf = torch.bfloat16
+    x = torch.randn(n, H, device=DEV, dtype=bf)
+    ex = [tuple(torch.randn(*s, device=DEV, dtype=bf) * 0.05 for s in ((I, H), (I, H), (H, I))) for _ in range(E)]
+    ids = torch.randint(0, E, (n, k), device=DEV)
+    routings = [torch.randint(0, E, (n, k), device=DEV), torch.full((n, k), 3, device=DEV),
+                torch.randint(0, 2, (n, k), device=DEV) * (E - 1)]
+    with torch.no_grad():
+        eager = _experts(x, ids, ex, cfg, 8)  # compiles, stacks the weights
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            again = _experts(x, ids, ex, cfg, 8)
+            with pytest.raises(RuntimeError):
+                torch.bincount(ids.reshape(-1), minlength=E)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert torch.equal(again, eager)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = _experts(x, ids, ex, cfg, 8)
+        for r in routings:
+            ids.copy_(r)
+            graph.replay()
+            want = _experts(x, ids, ex, cfg, 8)
+            assert torch.equal(out, want)
+            assert _rel(want, experts_reference(x, ids, ex)) < 2e-2

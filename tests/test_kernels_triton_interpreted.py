@@ -199,25 +199,66 @@ def test_triton_conv1d_one_launch_over_every_piece_equals_each_piece_alone_in_th
     assert res["grad_eq_native"]
 
 
-def test_grouped_gemm_tile_table_is_the_expert_by_expert_row_blocks():
-    """The grouped GEMM's vectorised tile table equals the plain loop over experts and row blocks it replaced
-    (experts with no rows get no tile), whatever the counts and BM; a table of another BM differs."""
-    import random
+_SLOTS_CASE = r"""
+import json, torch
+import torch.nn.functional as F
+from isoexec.config import TritonSection
+from isoexec.kernels.attention.triton import attention, attention_slots
+from isoexec.kernels.conv.triton import causal_conv1d_pieces, causal_conv1d_slots
+from isoexec.kernels.gdn import triton as gdn
+torch.manual_seed(0)
+res = {}
+# attention: 3 sequences with 5, 9, 2 cached keys, one new token each, slots 2, 0, 3 of a pool of 4 x 16
+B, hq, hkv, d, cap = 3, 4, 2, 16, 16
+pos = torch.tensor([5, 9, 2]); slots = torch.tensor([2, 0, 3])
+pk, pv = torch.randn(4, cap, hkv, d), torch.randn(4, cap, hkv, d)
+q, k, v = torch.randn(B, hq, d), torch.randn(B, hkv, d), torch.randn(B, hkv, d)
+kv = [(torch.cat([pk[s, :p], k[i:i + 1]]), torch.cat([pv[s, :p], v[i:i + 1]])) for i, (s, p) in enumerate(zip(slots, pos))]
+want = attention(q, kv, pos.tolist(), [1] * B, kv_block=4, block_m=16)
+got = attention_slots(q, k, v, pk, pv, slots, pos, kv_block=4, block_m=16)
+res["attn"] = torch.equal(want, got) and all(torch.equal(pk[s, p], k[i]) for i, (s, p) in enumerate(zip(slots, pos)))
+# conv: 3 tokens, prefixes in slots 1, 2, 0
+w = torch.randn(8, 4); pool = torch.randn(3, 3, 8); sl = torch.tensor([1, 2, 0]); x = torch.randn(3, 8)
+ys, pre = causal_conv1d_pieces(list(x[:, None]), w, list(pool[sl].clone()), block_t=4, block_c=8)
+y = causal_conv1d_slots(x, w, pool, sl, block_t=4, block_c=8)
+res["conv"] = torch.equal(torch.cat(ys), y) and torch.equal(torch.stack(pre), pool[sl])
+# GDN: the eager decode step (cpr_gdn) against the slot scan + complete_chunks, from the same prefill, C = 16
+cfg = TritonSection(gdn_chain_bv=16, gdn_scan_bv=16)
+H, dk, C = 2, 32, 16
+lens = [13, 3, 16]
+def inputs(n):
+    return (F.normalize(torch.randn(n, H, dk), dim=-1), F.normalize(torch.randn(n, H, dk), dim=-1), torch.randn(n, H, dk),
+            F.logsigmoid(torch.randn(n, H)) * 0.3, torch.rand(n, H))
+pre_in = inputs(sum(lens))
+_, sa = gdn.cpr_gdn(*pre_in, lens, [None] * 3, C, cfg)
+_, sb = gdn.cpr_gdn(*pre_in, lens, [None] * 3, C, cfg)
+pool = sa[0].pool
+p = torch.tensor(lens)
+eq, completions = True, 0
+for step in range(20):
+    x = inputs(3)
+    oa, sa = gdn.cpr_gdn(*x, [1] * 3, sa, C, cfg)
+    ob = gdn.decode_scan_slots(*x, torch.tensor([s.slot for s in sb]), p, pool, cfg)
+    done = [s.slot for s, n in zip(sb, p.tolist()) if n % C == C - 1]
+    gdn.complete_chunks(pool, done, cfg)
+    completions += len(done)
+    for s in sb:
+        s.n_open = (s.n_open + 1) % C
+    p = p + 1
+    eq = eq and torch.equal(oa, ob) and all(torch.equal(pool.running[a.slot], pool.running[b.slot])
+                                            and torch.equal(pool.entry[a.slot], pool.entry[b.slot]) for a, b in zip(sa, sb))
+res["gdn"] = eq
+res["completions"] = completions
+print(json.dumps(res))
+"""
 
-    from isoexec.kernels.gemm.triton import _group_tiles
 
-    def loop(counts, bm):
-        tiles, r = [], 0
-        for e, c in enumerate(counts):
-            tiles += [(e, r + s, r + c) for s in range(0, c, bm)]
-            r += c
-        return [list(col) for col in zip(*tiles)]
-
-    rng = random.Random(0)
-    for _ in range(100):
-        counts = [rng.choice([0, 0, 1, 2, 15, 16, 17, 64, 129]) for _ in range(rng.randint(1, 40))]
-        bm = rng.choice([16, 32, 64, 128])
-        meta, n = _group_tiles(counts, bm, "cpu")
-        want = loop(counts, bm)
-        assert (meta is None and n == 0) if not want else (meta.tolist() == want and n == len(want[0]))
-    assert _group_tiles([40, 3], 16, "cpu")[0].tolist() != loop([40, 3], 32)
+def test_slot_kernels_equal_the_eager_kernels_in_the_interpreter():
+    """The CUDA-graph decode's slot-addressed wrappers (``attention_slots``, ``causal_conv1d_slots``,
+    ``decode_scan_slots`` + ``complete_chunks``) give the eager kernels' outputs and states exactly, through
+    chunk completions (device-built metadata; the compiled kernels: ``tests/test_decode_graphs.py`` on a GPU)."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    r = subprocess.run([sys.executable, "-c", _SLOTS_CASE], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    assert res == {"attn": True, "conv": True, "gdn": True, "completions": 4}, res

@@ -1,7 +1,8 @@
 """The unified model's ``engine_decode`` step on one GPU, alone: milliseconds per step and where they go, for one or
 more source trees side by side in one run.
 
-``python -m isoexec.bench.engine_decode --config experiments/h200-rlstep.yaml --out-dir OUT [--tree before=/src/old]``
+``python -m isoexec.bench.engine_decode --config experiments/h200-rlstep.yaml --out-dir OUT [--tree before=/src/old]
+[--graphs]``
 
 No vLLM: the model of the config (random weights, :func:`isoexec.bench.rl_step.build_model`, seed 0, isoexec set)
 prefills ``B`` prompts of ``--prompt-len`` random tokens, then decodes ``--steps`` tokens per sequence, sampling
@@ -55,9 +56,11 @@ def tree_digest(path: str) -> str:
     return h.hexdigest()
 
 
-def _worker(config: str, batches: list[int], steps: int, prompt_len: int, profile_out: str | None) -> list[dict]:
+def _worker(config: str, batches: list[int], steps: int, prompt_len: int, profile_out: str | None,
+            graphs: bool = False) -> list[dict]:
     """In the tree's process: time ``steps`` decode steps at each batch size (after one untimed generate of the
-    first), optionally profile one generate; returns one row per batch size."""
+    first; with ``graphs``, of each, which captures its CUDA graph), optionally profile one generate; returns one row
+    per batch size."""
     import torch
 
     from isoexec.bench.rl_step import build_model
@@ -65,6 +68,8 @@ def _worker(config: str, batches: list[int], steps: int, prompt_len: int, profil
 
     cfg = load_config(config)
     model = build_model(cfg, "isoexec")
+    if graphs:
+        model.enable_decode_graphs(max_seqs=max(batches), max_len=prompt_len + max(steps, 32) + 1)
     sync = torch.cuda.synchronize if cfg.device == "cuda" else (lambda: None)
     vocab = model.config.vocab_size
 
@@ -90,7 +95,8 @@ def _worker(config: str, batches: list[int], steps: int, prompt_len: int, profil
             prof.disable()
         return (time.perf_counter() - t0) / n_steps, toks, lp
 
-    generate(batches[0], 8)  # JIT compilation, first-touch allocations
+    for B in batches if graphs else batches[:1]:
+        generate(B, 8)  # JIT compilation, first-touch allocations, graph capture
     rows = []
     for B in batches:
         dt, toks, lp = generate(B, steps)
@@ -120,9 +126,13 @@ def _worker(config: str, batches: list[int], steps: int, prompt_len: int, profil
     return rows
 
 
-def run(config: str, out_dir: str, trees: list[tuple[str, str]], batches: list[int], steps: int, prompt_len: int,
+def run(config: str, out_dir: str, trees: list[tuple[str, str, bool]], batches: list[int], steps: int, prompt_len: int,
         reps: int, log=print) -> list[dict]:
-    """Every tree ``reps`` times, alternating, each in its own process; writes ``decode.csv`` and returns its rows."""
+    """Every tree ``reps`` times, alternating, each in its own process; writes ``decode.csv`` and returns its rows.
+
+    Args:
+        trees: (name, path, graphs): graphs runs the tree's decode steps under its CUDA graphs
+            (``UnifiedModel.enable_decode_graphs``)."""
     from isoexec.io import write_csv
     from isoexec.provenance import provenance
 
@@ -130,20 +140,21 @@ def run(config: str, out_dir: str, trees: list[tuple[str, str]], batches: list[i
     out.mkdir(parents=True, exist_ok=True)
     (out / "provenance.json").write_text(json.dumps(
         {"provenance": provenance(), "config": config,
-         "trees": {n: {"path": pth, "isoexec_sha256": tree_digest(pth)} for n, pth in trees}, "batches": batches, "steps": steps,
+         "trees": {n: {"path": pth, "graphs": gr, "isoexec_sha256": tree_digest(pth)} for n, pth, gr in trees},
+         "batches": batches, "steps": steps,
          "prompt_len": prompt_len, "reps": reps}, indent=2, sort_keys=True, default=str) + "\n")
     rows = []
     for rep in range(reps):
-        for name, path in trees:
+        for name, path, graphs in trees:
             args = {"config": config, "batches": batches, "steps": steps, "prompt_len": prompt_len,
-                    "profile_out": str(out / f"profile_{name}.txt") if rep == 0 else None}
+                    "profile_out": str(out / f"profile_{name}.txt") if rep == 0 else None, "graphs": graphs}
             env = {**os.environ, "PYTHONPATH": os.pathsep.join([path, os.environ.get("PYTHONPATH", "")])}
             p = subprocess.run([sys.executable, __file__, "--worker", json.dumps(args)], env=env, capture_output=True,
                                text=True)
             if p.returncode:
                 raise RuntimeError(f"tree {name} ({path}) failed:\n{p.stderr[-4000:]}")
             for r in json.loads(p.stdout.strip().splitlines()[-1]):
-                rows.append({"tree": name, "rep": rep, **r})
+                rows.append({"tree": name, "rep": rep, "graphs": graphs, **r})
                 log(json.dumps(rows[-1]))
             write_csv(out / "decode.csv", rows)
     return rows
@@ -153,13 +164,16 @@ def main(argv: list[str] | None = None) -> None:
     if argv is None and sys.argv[1:2] == ["--worker"]:  # a tree's process: its isoexec comes from PYTHONPATH
         sys.path.pop(0)  # this file's folder would shadow top-level modules
         a = json.loads(sys.argv[2])
-        print(json.dumps(_worker(a["config"], a["batches"], a["steps"], a["prompt_len"], a["profile_out"])))
+        print(json.dumps(_worker(a["config"], a["batches"], a["steps"], a["prompt_len"], a["profile_out"],
+                                 a.get("graphs", False))))
         return
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", required=True, help="experiment YAML (device cuda)")
     p.add_argument("--out-dir", required=True, help="folder for decode.csv, profile_<tree>.txt, provenance.json")
     p.add_argument("--tree", action="append", default=[], help="NAME=PATH, a source tree to compare (repeatable); "
                    "this checkout is always measured, as 'this'")
+    p.add_argument("--graphs", action="store_true", help="also measure this checkout with its decode steps under CUDA "
+                   "graphs, as 'this+graphs'")
     p.add_argument("--batches", default="32,256", help="comma-separated sequences per step (default: %(default)s)")
     p.add_argument("--steps", type=int, default=64, help="timed decode steps per batch size (default: %(default)s)")
     p.add_argument("--prompt-len", type=int, default=128, help="prompt tokens (default: %(default)s)")
@@ -175,7 +189,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     root = str(Path(__file__).resolve().parents[2])
-    run(a.config, a.out_dir, trees + [("this", root)], batches, a.steps, a.prompt_len, a.reps)
+    mine = [("this", root, False)] + ([("this+graphs", root, True)] if a.graphs else [])
+    run(a.config, a.out_dir, [(n, pth, False) for n, pth in trees] + mine, batches, a.steps, a.prompt_len, a.reps)
 
 
 if __name__ == "__main__":

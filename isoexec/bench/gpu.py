@@ -208,8 +208,9 @@ def kernel_table(cfg, ceil: dict, log=print, extra_models=()) -> list[dict]:
             F.linear(xs[r0 : r0 + c], W[e])
             r0 += c
 
+    counts_t = torch.tensor(counts, device=dev)
     add("grouped gemm moe.experts(up)", f"{E}x[{counts[0]}x{m.hidden_size} @ {m.hidden_size}x{I}]",
-        lambda: t_gemm.grouped_linear(xs, W, counts, tc), nat_grouped, flops=2 * sum(counts) * I * m.hidden_size,
+        lambda: t_gemm.grouped_linear(xs, W, counts_t, tc), nat_grouped, flops=2 * sum(counts) * I * m.hidden_size,
         native="cublas F.linear per expert")
     # row norms
     x = torch.randn(N, m.hidden_size, device=dev, dtype=bf)

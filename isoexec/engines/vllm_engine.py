@@ -177,6 +177,7 @@ class RolloutEngine:
                 "architectures": [ARCH],
                 "isoexec_model_factory": model_factory or DEFAULT_FACTORY,
                 "isoexec_kernels": self.kernels.model_dump(),
+                "isoexec_decode_graphs": engine.isoexec_cuda_graphs,
             }
         else:
             check_native_checkpoint(self.checkpoint)

@@ -86,7 +86,9 @@ ARCH = "IsoExecQwen3NextForCausalLM"
 """Architecture name registered in vLLM's ``ModelRegistry``."""
 
 DEFAULT_FACTORY = "isoexec.model:UnifiedModel"
-"""``module:attr`` of the class with ``from_pretrained``; hf override key ``isoexec_model_factory``."""
+"""``module:attr`` of the class with ``from_pretrained``; hf override key ``isoexec_model_factory`` (beside it:
+``isoexec_kernels``, the kernel constants; ``isoexec_decode_graphs``, decode steps under the model's own CUDA graphs
+on CUDA, ``UnifiedModel.enable_decode_graphs``)."""
 
 REQUIRED_LOGPROBS_MODE = "raw_logits"
 
@@ -218,6 +220,9 @@ class IsoExecForCausalLM(nn.Module):
                                                                device=self.device)
         finally:
             torch.set_default_dtype(prev)
+        if getattr(hf, "isoexec_decode_graphs", False) and self.device == "cuda":
+            self.unified.enable_decode_graphs(max_seqs=vllm_config.scheduler_config.max_num_seqs,
+                                              max_len=vllm_config.model_config.max_model_len)
         self._vllm_config = vllm_config
         self._loaded = False
         self.vocab_size = int(hf.vocab_size)

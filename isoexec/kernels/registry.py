@@ -55,6 +55,8 @@ class Impl:
         fn: the callable the model invokes.
         dtype_constants: constants that depend on the model's boundary dtype (``dtype -> dict``),
             merged into ``constants`` in the composition.
+        slots: the same kernels for a decode step over slot-addressed state, CUDA-graph safe (sequence regions of
+            the isoexec CUDA set; :class:`isoexec.model.layers.SlotBatch`), or None.
     """
 
     region: str
@@ -65,6 +67,7 @@ class Impl:
     proof: str
     fn: Callable = field(repr=False, compare=False)
     dtype_constants: Callable[[torch.dtype], Mapping[str, Any]] | None = field(default=None, repr=False, compare=False)
+    slots: Callable | None = field(default=None, repr=False, compare=False)
 
     def __call__(self, *args, **kwargs):
         return self.fn(*args, **kwargs)
@@ -276,6 +279,10 @@ def _isoexec_sm90(k) -> list[Impl]:
             raise ValueError("trainer_fwd (grad=True) GDN starts from empty states")
         return gdn_bwd.CPRTritonTrainerFunction.apply(q, k_, v, g, beta, lengths, k.chunk_size, t), [None] * len(lengths)
 
+    def gdn_slots(q, k_, v, g, beta, slots, positions):
+        return gdn.decode_scan_slots(q, k_, v, g, beta, slots, positions,
+                                     gdn.get_pool(k_.shape[1], k_.shape[2], v.shape[2], k.chunk_size, k_.device), t)
+
     V, A = "2", "sm90"
     acc = {"acc_dtype": "float32"}
     gemm_c = lambda dt: {"boundary_dtype": _dtype_name(dt), **gemm.constants(t, dt)}  # noqa: E731
@@ -302,16 +309,19 @@ def _isoexec_sm90(k) -> list[Impl]:
               "split_kv": 1}, "gates:prefill_split",
              partial(attn.attention_autograd, kv_block=k.kv_block, block_m=t.attn_block_m, num_warps=t.attn_num_warps,
                      num_stages=t.attn_num_stages),
-             lambda dt: {"p_dtype": _dtype_name(dt)}),
+             lambda dt: {"p_dtype": _dtype_name(dt)},
+             partial(attn.attention_slots, kv_block=k.kv_block, block_m=t.attn_block_m, num_warps=t.attn_num_warps,
+                     num_stages=t.attn_num_stages)),
         Impl("attn.gate", "isoexec.torch.sigmoid_gate", V, A, ew, "gates:trainer_vs_engine", attn_cpu.iso_sigmoid_gate),
         Impl("gdn.conv1d", "isoexec.triton.causal_conv1d", V, A,
              {"order": "tap_ascending", "acc_dtype": "float32", "tile_t": t.conv_block_t, "tile_c": t.conv_block_c},
-             "gates:prefill_split", partial(conv.causal_conv1d_pieces, block_t=t.conv_block_t, block_c=t.conv_block_c)),
+             "gates:prefill_split", partial(conv.causal_conv1d_pieces, block_t=t.conv_block_t, block_c=t.conv_block_c),
+             slots=partial(conv.causal_conv1d_slots, block_t=t.conv_block_t, block_c=t.conv_block_c)),
         Impl("gdn.gating", "isoexec.torch.gdn_gating", V, A, ew, "gates:trainer_vs_engine", gdn_cpu.iso_gating),
         Impl("gdn.l2norm", "isoexec.triton.l2norm", V, A, {**row, "eps": 1e-6}, "gates:trainer_vs_engine",
              norm.l2norm_autograd),
         Impl("gdn.core", "isoexec.triton.cpr_gated_delta_rule", V, A, gdn.constants(k.chunk_size, t),
-             "gates:decode_chunk_boundaries", gdn_core),
+             "gates:decode_chunk_boundaries", gdn_core, slots=gdn_slots),
         Impl("gdn.norm", "isoexec.triton.gated_rms_norm", V, A, row, "gates:trainer_vs_engine",
              norm.gated_rms_norm_autograd),
         Impl("moe.router", "isoexec.triton.gemm+torch_softmax_tree_stable_sort", V, A, {**acc, "ties": "lower_id"},

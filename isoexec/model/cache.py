@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -21,6 +22,9 @@ class SequenceCache:
         gdn: GDN layer index -> the kernel set's state (for isoexec a ``CPRState``, which records its
             chunk size C: fp32 running and chunk-entry states plus the open chunk's inputs; the
             recurrent state for native).
+        pools, slot: the :class:`~isoexec.model.graphs.SlotPools` whose slot ``slot`` holds this sequence's keys,
+            values and conv prefixes at fixed addresses (what a CUDA-graph decode step reads), or None: buffers of
+            its own.
     """
 
     policy: str | None = None
@@ -28,15 +32,23 @@ class SequenceCache:
     kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     conv: dict[int, torch.Tensor] = field(default_factory=dict)
     gdn: dict[int, object] = field(default_factory=dict)
+    pools: Any = None
+    slot: int = -1
 
     def reserve_kv(self, layer: int, n: int, like_k: torch.Tensor, like_v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Room for ``n`` more keys/values of ``layer`` after the ``position`` cached rows (buffers grow by doubling,
         so a decode step copies nothing old).
 
         Returns:
-            (K, V) buffers ``[capacity >= position + n, Hkv, D]`` (dtype and device of ``like_k`` / ``like_v``).
+            (K, V) buffers ``[capacity >= position + n, Hkv, D]`` (dtype and device of ``like_k`` / ``like_v``; a
+            pooled sequence's: its slot of the pools, of the pools' capacity).
+
+        Raises:
+            ValueError: a pooled sequence longer than its pools' capacity.
         """
         end = self.position + n
+        if self.pools is not None:
+            return self.pools.kv_slot(layer, self.slot, end)
         kbuf, vbuf = self.kv[layer] if layer in self.kv else (like_k.new_empty((0, *like_k.shape[1:])),
                                                                like_v.new_empty((0, *like_v.shape[1:])))
         if kbuf.shape[0] < end:
@@ -45,6 +57,14 @@ class SequenceCache:
             vbuf = torch.cat([vbuf[: self.position], vbuf.new_empty((cap - self.position, *vbuf.shape[1:]))])
             self.kv[layer] = (kbuf, vbuf)
         return kbuf, vbuf
+
+
+    def set_conv(self, layer: int, prefix: torch.Tensor) -> None:
+        """Keep ``prefix`` ``[Kc-1, C]`` as ``layer``'s conv prefix (copied into the slot of a pooled sequence)."""
+        if self.pools is None:
+            self.conv[layer] = prefix.detach()
+        else:
+            self.conv[layer] = self.pools.conv_slot(layer, self.slot).copy_(prefix)
 
 
 def append_kv(caches: list[SequenceCache], layer: int, ks: list[torch.Tensor], vs: list[torch.Tensor]

@@ -101,6 +101,24 @@ class Batch:
         return out.index_copy(0, self.all_rows, packed)
 
 
+class SlotBatch:
+    """Row bookkeeping of a decode step over slot-addressed state (:mod:`isoexec.model.graphs`): one token per
+    sequence, rows in sequence order, every tensor on the device, so the forward holds no value-dependent host work
+    and can be captured in a CUDA graph. Sequence regions run their kernel set's ``slots`` implementation.
+
+    Args:
+        pools: the :class:`~isoexec.model.graphs.SlotPools` (keys, values, conv prefixes by slot).
+        slots: ``[B]`` int64, each row's slot of ``pools``. positions: ``[B]`` int64, each token's absolute position.
+        gdn_slots: GDN layer index -> ``[B]`` int64, each row's GDN state slot. inv_freq, dtype: as :class:`Batch`.
+    """
+
+    grad = False
+
+    def __init__(self, pools, slots, positions, gdn_slots, inv_freq, dtype):
+        self.pools, self.slots, self.positions, self.gdn_slots = pools, slots, positions, gdn_slots
+        self.rope = rope_cos_sin(positions, inv_freq, dtype)
+
+
 class Expert(nn.Module):
     """A SwiGLU expert's three weights (``gate_proj``, ``up_proj`` ``[I, H]``; ``down_proj`` ``[H, I]``)."""
 
@@ -166,6 +184,16 @@ class Attention(nn.Module):
         k = ks["norm.rms"](proj(x, self.k_proj.weight).view(n, self.hkv, self.d), self.k_norm.weight, self.eps)
         v = proj(x, self.v_proj.weight).view(n, self.hkv, self.d)
         q, k = ks["attn.rope"](q, *batch.rope), ks["attn.rope"](k, *batch.rope)
+        if isinstance(batch, SlotBatch):
+            o = ks["attn.core"].slots(q, k, v, *batch.pools.kv_pools(self.layer_idx), batch.slots, batch.positions)
+        else:
+            o = self._core(ks, q, k, v, batch)
+        o = ks["attn.gate"](o.reshape(n, self.hq * self.d), gate)
+        return ks["attn.out_proj"](o, self.o_proj.weight)
+
+    def _core(self, ks: KernelSet, q, k, v, batch: Batch):
+        """``attn.core`` over each piece's cache (the new keys and values appended), ``[N, Hq, D]``."""
+        n = q.shape[0]
         kv = list(zip(*batch.pieces(k, v)))
         cached = [i for i, c in enumerate(batch.caches) if c is not None]
         if cached:
@@ -174,9 +202,7 @@ class Attention(nn.Module):
             for i, pair in zip(cached, full):
                 kv[i] = pair
         o = ks["attn.core"](batch.gather(q), kv, batch.starts, batch.lengths)
-        o = batch.scatter(o, n)
-        o = ks["attn.gate"](o.reshape(n, self.hq * self.d), gate)
-        return ks["attn.out_proj"](o, self.o_proj.weight)
+        return batch.scatter(o, n)
 
 
 class GatedDeltaNet(nn.Module):
@@ -208,16 +234,34 @@ class GatedDeltaNet(nn.Module):
         """(mixed q|k|v ``[N, conv_dim]``, z ``[N, Hv, Dv]``, b ``[N, Hv]``, a ``[N, Hv]``); family-specific."""
         raise NotImplementedError
 
-    def forward(self, ks: KernelSet, x, batch: Batch):
-        n, dtype = x.shape[0], x.dtype
-        mixed, z, b, a = self.project(ks, x)
+    def _conv(self, ks: KernelSet, mixed, batch: Batch):
+        """``gdn.conv1d`` of each piece from its cached prefix (the new prefix kept), ``[N, conv_dim]``."""
         zero = mixed.new_zeros(self.kc - 1, self.conv_dim)
         prefixes = [zero if c is None or self.layer_idx not in c.conv else c.conv[self.layer_idx] for c in batch.caches]
         conv_out, new_prefixes = ks["gdn.conv1d"](batch.pieces(mixed)[0], self.conv1d.weight.squeeze(1), prefixes)
         for cache, p in zip(batch.caches, new_prefixes):
             if cache is not None:
-                cache.conv[self.layer_idx] = p.detach()
-        mixed = batch.scatter(torch.cat(conv_out), n)
+                cache.set_conv(self.layer_idx, p)
+        return batch.scatter(torch.cat(conv_out), mixed.shape[0])
+
+    def _core(self, ks: KernelSet, q, k, v, g, beta, batch: Batch):
+        """``gdn.core`` of each piece from its cached state (the new state kept), ``[N, Hv, Dv]`` fp32."""
+        states = [None if c is None else c.gdn.get(self.layer_idx) for c in batch.caches]
+        o, new_states = ks["gdn.core"](*map(batch.gather, (q, k, v, g, beta)), batch.lengths, states, batch.grad)
+        for cache, st in zip(batch.caches, new_states):
+            if cache is not None:
+                cache.gdn[self.layer_idx] = st
+        return batch.scatter(o, q.shape[0])
+
+    def forward(self, ks: KernelSet, x, batch: Batch):
+        n, dtype = x.shape[0], x.dtype
+        mixed, z, b, a = self.project(ks, x)
+        slotted = isinstance(batch, SlotBatch)
+        if slotted:
+            mixed = ks["gdn.conv1d"].slots(mixed, self.conv1d.weight.squeeze(1), batch.pools.conv_pool(self.layer_idx),
+                                           batch.slots)
+        else:
+            mixed = self._conv(ks, mixed, batch)
         q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         g, beta = ks["gdn.gating"](a, b, self.A_log, self.dt_bias)
         r = self.hv // self.hk
@@ -225,12 +269,11 @@ class GatedDeltaNet(nn.Module):
         q = ks["gdn.l2norm"](q.reshape(n, self.hk, self.dk))[:, :, None].expand(n, self.hk, r, self.dk).reshape(n, self.hv, self.dk)
         k = ks["gdn.l2norm"](k.reshape(n, self.hk, self.dk))[:, :, None].expand(n, self.hk, r, self.dk).reshape(n, self.hv, self.dk)
         v = v.reshape(n, self.hv, self.dv).float()
-        states = [None if c is None else c.gdn.get(self.layer_idx) for c in batch.caches]
-        o, new_states = ks["gdn.core"](*map(batch.gather, (q, k, v, g, beta)), batch.lengths, states, batch.grad)
-        for cache, st in zip(batch.caches, new_states):
-            if cache is not None:
-                cache.gdn[self.layer_idx] = st
-        o = batch.scatter(o, n).to(dtype)
+        if slotted:
+            o = ks["gdn.core"].slots(q, k, v, g, beta, batch.gdn_slots[self.layer_idx], batch.positions)
+        else:
+            o = self._core(ks, q, k, v, g, beta, batch)
+        o = o.to(dtype)
         o = ks["gdn.norm"](o.reshape(n * self.hv, self.dv), z.reshape(n * self.hv, self.dv), self.norm.weight, self.eps)
         return ks["gdn.out_proj"](o.reshape(n, self.value_dim), self.out_proj.weight)
 

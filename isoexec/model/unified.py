@@ -52,6 +52,7 @@ class UnifiedModel(nn.Module):
         # fp32 RoPE frequencies, a plain attribute so that ``.to(dtype)`` never rounds them.
         self.inv_freq = rope_inv_freq(head_dim, factor, theta)
         self._inv_freq_on = (self.inv_freq, self.inv_freq)  # (source, its copy on the parameters' device): :meth:`_run`
+        self.decode_graphs = None  # :meth:`enable_decode_graphs`
         self.to(dtype)
 
     @property
@@ -69,12 +70,16 @@ class UnifiedModel(nn.Module):
     def _logprobs(self, h: torch.Tensor) -> torch.Tensor:
         return self.kernels["logprob"](self.kernels["lm_head"](h, self.lm_head.weight))
 
+    def inv_freq_on(self, dev: torch.device) -> torch.Tensor:
+        """:attr:`inv_freq` on ``dev``: one copy per device, not one per forward."""
+        src, on = self._inv_freq_on
+        if src is not self.inv_freq or on.device != dev:
+            self._inv_freq_on = (self.inv_freq, self.inv_freq.to(dev))
+        return self._inv_freq_on[1]
+
     def _run(self, ids, seq_rows, starts, caches, grad: bool, rows_out=None):
         dev = self.model.embed_tokens.weight.device
-        src, on = self._inv_freq_on
-        if src is not self.inv_freq or on.device != dev:  # one copy per device, not one per forward
-            self._inv_freq_on = (self.inv_freq, self.inv_freq.to(dev))
-        batch = Batch(seq_rows, starts, caches, grad, ids.numel(), self._inv_freq_on[1], self.dtype)
+        batch = Batch(seq_rows, starts, caches, grad, ids.numel(), self.inv_freq_on(dev), self.dtype)
         ids = ids.to(dev)
         with torch.set_grad_enabled(grad):
             h = self._hidden(ids, batch)
@@ -122,8 +127,30 @@ class UnifiedModel(nn.Module):
         return out.view(B, L, -1)
 
     def new_cache(self) -> SequenceCache:
-        """An empty per-sequence engine cache, stamped with this kernel set's fingerprint."""
+        """An empty per-sequence engine cache, stamped with this kernel set's fingerprint (in a slot of the decode
+        graphs' pools when :meth:`enable_decode_graphs` was called)."""
+        if self.decode_graphs is not None:
+            return self.decode_graphs.new_cache()
         return SequenceCache(policy=self.kernels.fingerprint)
+
+    def enable_decode_graphs(self, max_seqs: int, max_len: int, sizes: list[int] | None = None):
+        """Run :meth:`engine_step`'s decode steps of pooled sequences under CUDA graphs, same bits
+        (:class:`~isoexec.model.graphs.DecodeGraphs`; caches made by :meth:`new_cache` from now on are pooled).
+
+        Args:
+            max_seqs: sequences held in the pools at once (more run eagerly). max_len: tokens per sequence.
+            sizes: batch sizes to capture (default 1, 2, 4 and multiples of 8 up to ``max_seqs``).
+
+        Returns:
+            the :class:`~isoexec.model.graphs.DecodeGraphs` (its ``stats`` count replays and captures).
+
+        Raises:
+            ValueError: a model off CUDA or a kernel set without slot kernels (the isoexec CUDA set has them).
+        """
+        from isoexec.model.graphs import DecodeGraphs
+
+        self.decode_graphs = DecodeGraphs(self, max_seqs, max_len, sizes)
+        return self.decode_graphs
 
     @torch.no_grad()
     def engine_step(self, caches: list[SequenceCache], chunks: list[torch.Tensor], last_only: bool = False) -> list[torch.Tensor]:
@@ -155,6 +182,11 @@ class UnifiedModel(nn.Module):
         ids = torch.cat(chunks)
         check_token_ids(ids, self.config.vocab_size, "chunks (concatenated)")  # one check (one sync) per step
         lens = [c.numel() for c in chunks]
+        if self.decode_graphs is not None and self.decode_graphs.accepts(caches, lens):
+            out = self.decode_graphs.step(caches, ids.to(self.model.embed_tokens.weight.device))
+            for c in caches:
+                c.position += 1
+            return list(out.unsqueeze(1).unbind(0))
         rows = list(torch.arange(ids.numel()).split(lens))
         starts = [c.position for c in caches]
         rows_out = torch.cumsum(torch.tensor(lens), 0) - 1 if last_only else None

@@ -128,6 +128,49 @@ def attention(q: torch.Tensor, kv: list[tuple[torch.Tensor, torch.Tensor]], star
     return out
 
 
+def attention_slots(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor,
+                    slots: torch.Tensor, positions: torch.Tensor, kv_block: int, block_m: int, num_warps: int = 8,
+                    num_stages: int = 2) -> torch.Tensor:
+    """One decode token per sequence over slot-addressed caches, with no host work that depends on the values (CUDA
+    graph safe): the new keys and values go to ``pool_k/pool_v[slots, positions]``, then :func:`attention`'s kernel
+    runs with its tile table built on the device.
+
+    Args:
+        q: ``[B, Hq, D]`` queries (after norm and RoPE). k, v: ``[B, Hkv, D]`` the tokens' keys and values.
+        pool_k, pool_v: ``[S, cap, Hkv, D]`` in ``q.dtype``: slot s holds its sequence's keys at rows 0..position-1.
+        slots: ``[B]`` int64, each sequence's slot (distinct, but pad rows may share one). positions: ``[B]`` int64,
+            each token's absolute position (``< cap``).
+        kv_block, block_m, num_warps, num_stages: as :func:`attention`.
+
+    Returns:
+        ``[B, Hq, D]``: the bits :func:`attention` gives the same sequences (the same kernel; a decode token is one
+        tile per (sequence, kv head) there too, and the rows of a slot past the position are masked).
+
+    Raises:
+        ValueError: a GQA group larger than ``block_m`` (a decode token would span two tiles), or a pool whose dtype
+            is not ``q``'s.
+    """
+    B, hq, d = q.shape
+    S, cap, hkv, _ = pool_k.shape
+    group = hq // hkv
+    if group > block_m:
+        raise ValueError(f"attention_slots: GQA group {group} > block_m {block_m}")
+    if pool_k.dtype != q.dtype or pool_v.dtype != q.dtype:
+        raise ValueError(f"attention_slots: pools of {pool_k.dtype}/{pool_v.dtype} for queries of {q.dtype}")
+    pool_k[slots, positions] = k.to(q.dtype)
+    pool_v[slots, positions] = v.to(q.dtype)
+    rows = torch.arange(B, device=q.device)
+    meta = torch.stack([rows, torch.ones_like(rows), slots * cap, positions, torch.zeros_like(rows)], 1).to(torch.int32)
+    out = torch.empty_like(q)
+    qc = q.contiguous()
+    K, V = pool_k.view(S * cap, hkv, d), pool_v.view(S * cap, hkv, d)
+    _attn_kernel[(B, hkv)](qc, K, V, out, meta, LOG2E / math.sqrt(d),
+                           qc.stride(0), qc.stride(1), K.stride(0), K.stride(1), out.stride(0), out.stride(1),
+                           GROUP=group, D=d, BM=block_m, BN=kv_block, PREC=DOT_PRECISION,
+                           num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=False)
+    return out
+
+
 def _ref_attention(q, starts, lengths, *kvs):
     """Differentiable fp32 attention with the same masking (gradient only)."""
     outs, row0 = [], 0

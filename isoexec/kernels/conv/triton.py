@@ -79,6 +79,34 @@ def causal_conv1d_pieces(pieces: list[torch.Tensor], w: torch.Tensor, prefixes: 
     return ys, list(packed.ext.detach()[tail].view(len(pieces), kc - 1, -1).unbind(0))
 
 
+def causal_conv1d_slots(x: torch.Tensor, w: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor, block_t: int,
+                        block_c: int) -> torch.Tensor:
+    """One decode token per sequence with slot-addressed prefixes, no value-dependent host work (CUDA graph safe).
+
+    Args:
+        x: ``[B, C]`` the tokens' inputs. w: ``[C, Kc]`` (Kc > 1). pool: ``[S, Kc-1, C]`` in ``x.dtype``, slot s the
+            previous ``Kc-1`` inputs of its sequence; updated in place (the token appended). slots: ``[B]`` int64.
+        block_t, block_c: as :func:`causal_conv1d_pieces`.
+
+    Returns:
+        ``[B, C]``: the bits :func:`causal_conv1d_pieces` gives the same tokens (the same kernel over the same packed
+        rows: each token's prefix then the token).
+
+    Raises:
+        ValueError: a pool of another dtype than ``x``, or Kc = 1 (no prefix).
+    """
+    B, ch = x.shape
+    kc = w.shape[1]
+    if pool.dtype != x.dtype or kc < 2:
+        raise ValueError(f"causal_conv1d_slots: a {pool.dtype} pool for {x.dtype} inputs, Kc={kc}; need the inputs' "
+                         "dtype and Kc > 1")
+    ext = torch.cat([pool[slots], x[:, None]], dim=1)  # [B, Kc, C]: the packed layout of B pieces
+    first = torch.arange(B, device=x.device) * kc
+    y = _tap_rows(ext.view(B * kc, ch), first, w, block_t, block_c)
+    pool[slots] = ext[:, 1:]
+    return y
+
+
 def causal_conv1d(x: torch.Tensor, w: torch.Tensor, prefix: torch.Tensor, block_t: int, block_c: int
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """One piece: x ``[L, C]``, w ``[C, Kc]``, prefix ``[Kc-1, C]`` -> (``[L, C]``, new prefix ``[Kc-1, C]``)."""

@@ -241,6 +241,15 @@ class StatePool:
         self.free += list(range(cap - 1, self.cap - 1, -1))
         self.cap = cap
 
+    def reserve(self, n: int) -> None:
+        """Grow to at least ``n`` slots now (a CUDA graph holds the tensors' addresses: they must not move later)."""
+        while self.cap < n:
+            self._alloc_tensors(self.cap * 2)
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """Every storage tensor (what a captured graph addresses)."""
+        return self.entry, self.running, self.bk, self.bv, self.bg, self.bb
+
     def alloc(self, n: int) -> list[int]:
         while len(self.free) < n:
             self._alloc_tensors(self.cap * 2)
@@ -469,3 +478,72 @@ def _decode_step(q, k, v, g, beta, states, pool: StatePool, C: int, cfg):
     for s, n in zip(states, n_open):
         s.n_open = (n + 1) % C
     return o, states
+
+
+# ------------------------------------------------------------------------------- slot-addressed decode
+def decode_scan_slots(q, k, v, g, beta, slots: torch.Tensor, positions: torch.Tensor, pool: StatePool, cfg):
+    """The in-graph half of a decode step (CUDA graph safe: metadata built on the device): one token per sequence
+    scanned from its running state, appended to its open-chunk buffer. A token that completes its chunk leaves the
+    running state as it was; :func:`complete_chunks` then runs that chunk's state pass (the general path's resync),
+    outside the graph and before the sequence's next token.
+
+    Args:
+        q, k: ``[B, H, Dk]``, l2-normalised. v: ``[B, H, Dv]``. g, beta: ``[B, H]`` (all used as fp32, as
+            :func:`cpr_gdn`). slots: ``[B]`` int64 pool slots (pad rows may share one). positions: ``[B]`` int64, tokens the sequences
+            consumed before this one (the open chunk holds ``position % C`` of them).
+        pool: the sequences' :class:`StatePool` (chunk size ``pool.c``). cfg: ``isoexec.config.TritonSection``.
+
+    Returns:
+        o ``[B, H, Dv]`` fp32: the bits of :func:`cpr_gdn`'s decode step for the same states and tokens (the same
+        ``_scan`` program per token, the same metadata).
+    """
+    q, k, v, g, beta = (x.float().contiguous() for x in (q, k, v, g, beta))
+    B, H, DK = k.shape
+    DV = v.shape[-1]
+    C = pool.c
+    n_open = positions % C
+    keep = (n_open != C - 1).long()  # a completing token's scan stores no state (the resync replaces it)
+    rows = torch.arange(B, device=k.device)
+    one = torch.ones_like(rows)
+    meta = torch.stack([rows, one, one, slots, keep, slots], 1).to(torch.int32)
+    o = torch.empty((B, H, DV), device=k.device, dtype=torch.float32)
+    dummy = torch.empty(1, device=k.device, dtype=torch.float32)
+    _scan[(B, H, DV // cfg.gdn_scan_bv)](q, k, v, g, beta, o, pool.running, dummy, dummy, meta, H, DK ** -0.5,
+                                         DK=DK, DV=DV, BV=cfg.gdn_scan_bv, num_warps=cfg.gdn_scan_warps)
+    pool.bk[slots, n_open] = k
+    pool.bv[slots, n_open] = v
+    pool.bg[slots, n_open] = g
+    pool.bb[slots, n_open] = beta
+    return o
+
+
+def complete_chunks(pool: StatePool, slots: list[int], cfg) -> None:
+    """The state pass over the full open chunk of each slot in ``slots`` (its C tokens all in the buffer, the last
+    appended by :func:`decode_scan_slots`), from the slot's entry state; entry and running state become the result.
+
+    The same ``_chunk_prep`` and ``_state_chain`` programs as :func:`cpr_gdn`'s decode step, which takes the chunk's
+    last token from the input rows rather than the buffer: the same values (the buffer holds them exactly, fp32),
+    so the same bits. One launch each for every slot of every layer (the layers of one shape share a pool).
+    """
+    if not slots:
+        return
+    C, H, DK, DV = pool.c, pool.h, pool.dk, pool.dv
+    dev = pool.entry.device
+    n = len(slots)
+    meta = torch.tensor([x for s in slots for x in (0, C, s)] + [x for j, s in enumerate(slots) for x in (j, 1, s, j)]
+                        + list(slots), dtype=torch.int32).to(dev, non_blocking=True)
+    m_prep, m_chain, sl = meta[: 3 * n], meta[3 * n : 7 * n], meta[7 * n :].long()
+    f32 = dict(device=dev, dtype=torch.float32)
+    W = torch.empty((n, H, C, DK), **f32)
+    KD = torch.empty((n, H, C, DK), **f32)
+    U = torch.empty((n, H, C, DV), **f32)
+    dC = torch.empty((n, H), **f32)
+    E = torch.empty((n, H, DK, DV), **f32)
+    # nb = C: every row of the chunk from the buffer, so the input-row pointers are never read
+    _chunk_prep[(n, H)](pool.bk, pool.bv, pool.bg, pool.bb, pool.bk, pool.bv, pool.bg, pool.bb, m_prep, W, U, KD, dC, H,
+                        C=C, BT=min(C, 16), DK=DK, DV=DV, PREC=cfg.gdn_dot_precision, num_warps=cfg.gdn_prep_warps)
+    _state_chain[(n, H, DV // cfg.gdn_chain_bv)](pool.entry, W, U, KD, dC, E, m_chain, H, C=C, DK=DK, DV=DV,
+                                                 BV=cfg.gdn_chain_bv, PREC=cfg.gdn_dot_precision,
+                                                 num_warps=cfg.gdn_chain_warps)
+    pool.entry.index_copy_(0, sl, E)
+    pool.running.index_copy_(0, sl, E)

@@ -10,7 +10,10 @@ H200 the tiles do not even choose the bits: an element accumulates the same 16-w
 in ascending order whatever the program shape, BM, BN, BK (16-multiples), warps or stages (every
 candidate of ``results/h200/gemm_buckets/variants_gemm.csv`` is bitwise equal to the pinned tiles), so
 a GEMM of few rows runs tiles that keep more programs busy (``kernels.triton.gemm_bfloat16_by_rows``). The
-grouped variant (``moe.experts``) runs the same tile program over per-expert row ranges. Two program
+grouped variant (``moe.experts``) runs the same tile program over per-expert row ranges, on a grid of a
+static number of tiles built on the device from per-expert row counts (:func:`_group_tiles`; no host sync,
+so an engine step can be captured in a CUDA graph); the padding tiles past the real ones are empty and run
+no K step. Two program
 shapes run that same tile computation: one program per tile with pointer loads (``tiled``), or a
 persistent grid over tiles with TMA loads (``persistent_tma``); ``kernels.triton.gemm_kernel`` pins one.
 
@@ -31,7 +34,6 @@ same bits.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 import triton
@@ -86,7 +88,11 @@ def _gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, 
     cmask = cols < N
     rows64 = rows.to(tl.int64)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for k0 in range(0, K, BK):
+    if GROUPED:  # a padding tile of the static grid (r0 == r1) runs no K step; a live one the same steps
+        k_end = tl.where(r0 < r1, K, 0)
+    else:
+        k_end = K  # the same value bound to another name: the non-grouped kernel compiles as before
+    for k0 in range(0, k_end, BK):
         ks = k0 + tl.arange(0, BK)
         kmask = ks < K
         a = tl.load(x_ptr + rows64[:, None] * stride_xm + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
@@ -149,7 +155,8 @@ def _tree_climb(j, acc, s0, s1, s2, LPP: tl.constexpr):
 # ``kpl`` (K steps per leaf) is a run-time bound on purpose: with a compile-time kpl of 1 a leaf's dot starts
 # from a literal zero, and Triton's dot-combine pattern folds the next tree addition into that dot's
 # accumulator (``dot(a, b, 0) + s -> dot(a, b, s)``), which changes the bits of the in-register tree against
-# the one-leaf-per-program launch (seen on the H200 for leaves of one 64-wide K step).
+# the one-leaf-per-program launch (seen on the H200 for leaves of one 64-wide K step). A grouped padding tile
+# (r0 == r1) sets kpl to 0, so both loop shapes run no step; a live tile keeps kpl, still a run-time value.
 @triton.jit(do_not_specialize=["M", "n_tiles", "kpl"])
 def _leaf_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, stride_xm, stride_wn, stride_ym, stride_we, stride_ys,
                       tile_e_ptr, tile_r0_ptr, tile_r1_ptr, n_tiles, kpl,
@@ -166,6 +173,8 @@ def _leaf_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, stride_xm, stride_wn, stride_ym
     rows64 = rows.to(tl.int64)
     cols64 = cols.to(tl.int64)
     k_base = sub * (LPP * LEAF_K)
+    if GROUPED:
+        kpl = tl.where(r0 < r1, kpl, 0)
     s0 = tl.zeros((BM, BN), dtype=tl.float32)
     s1 = tl.zeros((BM, BN), dtype=tl.float32)
     s2 = tl.zeros((BM, BN), dtype=tl.float32)
@@ -324,45 +333,71 @@ def linear(x: torch.Tensor, w: torch.Tensor, cfg, out_dtype: torch.dtype | None 
     return y
 
 
-_TILES: dict[tuple, tuple] = {}
-"""The last few tile tables of :func:`_group_tiles` by (BM, device, counts): an MoE layer's gate and up GEMMs share one."""
-
-
-def _group_tiles(counts: list[int], bm: int, device) -> tuple[torch.Tensor | None, int]:
-    """The grouped GEMM's tile table: for expert e (ascending) and its rows in blocks of ``bm`` (ascending), a tile
-    (expert, first row, end of the expert's rows), as ``[3, n_tiles]`` int32 on ``device``; (None, 0) for no rows.
-    Built with a few numpy ops and one copy to the device (a Python loop over experts before)."""
-    key = (bm, str(device), tuple(counts))
-    hit = _TILES.get(key)
-    if hit is not None:
-        return hit
-    c = np.asarray(counts, dtype=np.int64)
-    nt = (c + bm - 1) // bm
-    n_t = int(nt.sum())
-    if not n_t:
-        return None, 0
-    te = np.repeat(np.arange(c.size), nt)
-    start = np.cumsum(c) - c
-    t0 = start[te] + (np.arange(n_t) - (np.cumsum(nt) - nt)[te]) * bm
-    table = torch.from_numpy(np.stack([te, t0, (start + c)[te]]).astype(np.int32))
-    hit = (table.to(device, non_blocking=True), n_t)
-    if len(_TILES) >= 8:
-        _TILES.pop(next(iter(_TILES)))
-    _TILES[key] = hit
-    return hit
-
-
-def grouped_linear(x: torch.Tensor, w: torch.Tensor, counts: list[int], cfg,
-                   out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Per-expert ``x[rows_e] @ w[e].T`` for rows grouped by expert (``moe.experts``), one launch.
+def _group_tiles(counts: torch.Tensor, bm: int, rows: int) -> torch.Tensor:
+    """The grouped GEMM's tile table, built on ``counts``' device by a dozen small torch ops of static shapes with no
+    host read (CUDA-graph capturable; no ``.item()``, ``.tolist()`` or data-dependent shape).
 
     Args:
-        x: ``[R, K]`` rows sorted by expert. w: ``[E, N, K]`` stacked expert weights.
-        counts: rows per expert (host ints, sum R). cfg: ``isoexec.config.TritonSection``.
+        counts: ``[E]`` integer tensor (any device), rows per expert (each >= 0, sum ``rows``; not checked,
+            which would sync). bm: rows per tile (BM). rows: R, the number of rows (host int, ``x.shape[0]``).
+
+    Returns:
+        ``[3, T]`` int32 on ``counts.device``, columns (expert, first row, end of that expert's rows), with the
+        static ``T = rows // bm + min(E, rows)``. The real tiles come first: for expert e ascending, its rows in
+        blocks of ``bm`` ascending (an expert with no rows has none). The ``T - n_real`` padding tiles after
+        them are empty: first row = end = ``rows``, expert ``E - 1`` (a weight pointer in range).
+
+        T bounds the real count: expert e has ``n_e = ceil(c_e / bm) <= floor(c_e / bm) + [c_e > 0]`` tiles;
+        ``sum_e floor(c_e / bm) <= floor(sum_e c_e / bm) = rows // bm`` (floor is superadditive), and at most
+        ``min(E, rows)`` experts have a row, so ``n_real <= rows // bm + min(E, rows) = T``.
+
+        How: pad each expert's rows to ``n_e * bm`` with ``p_e = (-c_e) mod bm`` rows; tile t covers the padded
+        rows from ``s = t * bm``, which belong to the first expert whose padded end ``end_e + P_e`` (``P``: the
+        inclusive sum of p) exceeds s, whose real first row is ``s - (P_e - p_e)``. Tiles past the last padded
+        end search only the first E - 1 ends, so they get expert E - 1 and a first row at or past its end
+        ``rows``, clipped to it.
+
+    Raises:
+        ValueError: ``counts`` not a 1-D integer tensor, no expert for ``rows > 0``, ``bm < 1``, or row
+            indices past int32.
+    """
+    if counts.dim() != 1 or counts.dtype not in (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64):
+        raise ValueError(f"counts must be a 1-D integer tensor of rows per expert, got {counts.dtype} {tuple(counts.shape)}")
+    E = counts.shape[0]
+    if bm < 1 or (rows > 0 and E == 0) or rows + min(E, rows) * bm >= 2**31:  # the last bounds T * bm
+        raise ValueError(f"grouped GEMM tiles need bm >= 1, an expert for the rows and int32 rows, got bm={bm}, "
+                         f"E={E}, rows={rows}")
+    T = rows // bm + min(E, rows)
+    i32 = dict(dtype=torch.int32, device=counts.device)
+    c = counts.to(torch.int32)
+    pad = c.neg().remainder_(bm)  # [E] rows that fill each expert's last tile
+    ends = c.cumsum(0, dtype=torch.int32)  # [E] end row of each expert
+    skip = pad.cumsum(0, dtype=torch.int32)  # [E] padding rows up to each expert's end
+    table = torch.empty((3, T), **i32)
+    s = torch.arange(0, T * bm, bm, **i32)  # [T] first padded row of each tile
+    torch.searchsorted((ends + skip)[:-1], s, right=True, out_int32=True, out=table[0])
+    torch.index_select(ends, 0, table[0], out=table[2])
+    torch.sub(s, (skip - pad).index_select(0, table[0]), out=table[1])
+    torch.minimum(table[1], table[2], out=table[1])
+    return table
+
+
+def grouped_linear(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, cfg,
+                   out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Per-expert ``x[rows_e] @ w[e].T`` for rows grouped by expert (``moe.experts``), one launch, no host sync.
+
+    Args:
+        x: ``[R, K]`` (bf16 / fp16 / fp32, CUDA) rows sorted by expert. w: ``[E, N, K]`` stacked expert weights.
+        counts: ``[E]`` integer tensor on x's device, rows per expert (sum R; not checked, which would sync).
+        cfg: ``isoexec.config.TritonSection``. out_dtype: output dtype (default ``x.dtype``).
 
     Returns:
         ``[R, N]``; each row depends only on itself and its expert's weight (same tile program as
-        the tiled :func:`linear`, so the same per-row order whatever the expert's row count).
+        the tiled :func:`linear`, so the same per-row order whatever the expert's row count). The grid is
+        ``T * cdiv(N, BN)`` programs for the static T of :func:`_group_tiles`.
+
+    Raises:
+        ValueError: counts not an ``[E]`` integer tensor on x's device (:func:`_check_counts`, :func:`_group_tiles`).
     """
     x = _contig_k(x)
     w = w.to(x.dtype).contiguous()
@@ -370,14 +405,29 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, counts: list[int], cfg,
     E, N, _ = w.shape
     y = torch.empty((R, N), device=x.device, dtype=out_dtype or x.dtype)
     BM, BN, BK, nw, ns = tiles_for(cfg, x.dtype)
-    meta, n_t = _group_tiles(counts, BM, x.device)
-    if not n_t:
+    counts = _check_counts(counts, x, w)
+    if not R:
         return y
+    meta = _group_tiles(counts, BM, R)
+    n_t = meta.shape[1]
     grid = (n_t * triton.cdiv(N, BN),)
     _gemm_kernel[grid](x, w, y, R, N, K, x.stride(0), w.stride(1), y.stride(0), w.stride(0), meta[0], meta[1], meta[2],
                        n_t, GROUPED=True, BM=BM, BN=BN, BK=BK, GM=cfg.gemm_group_m, PREC=DOT_PRECISION,
                        num_warps=nw, num_stages=ns)
     return y
+
+
+def _check_counts(counts: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``counts`` itself, checked (host metadata only, no sync) to be a ``[E]`` tensor on x's device for
+    the ``[E, N, K]`` weight ``w`` (a host list or a tensor elsewhere would need a copy).
+
+    Raises:
+        ValueError: counts is not a tensor on ``x.device`` of ``w.shape[0]`` elements.
+    """
+    if not isinstance(counts, torch.Tensor) or counts.device != x.device or counts.shape != w.shape[:1]:
+        got = f"{tuple(counts.shape)} on {counts.device}" if isinstance(counts, torch.Tensor) else type(counts).__name__
+        raise ValueError(f"grouped GEMM counts must be a [{w.shape[0]}] integer tensor on {x.device}, got {got}")
+    return counts
 
 
 # -------------------------------------------------------------------------------------- leaf GEMM
@@ -417,7 +467,8 @@ def tree_combine(parts: torch.Tensor, out_dtype: torch.dtype, out: torch.Tensor 
 
 def _launch_leaves(x, w, y, counts, cfg, leaf_k: int, lpp: int, n_sub: int):
     """One leaf-GEMM launch: programs (tile, subtree) over ``n_sub`` subtrees of ``lpp`` leaves; y is
-    ``[n_sub, R, N]`` (or ``[R, N]`` when n_sub == 1)."""
+    ``[n_sub, R, N]`` (or ``[R, N]`` when n_sub == 1). ``counts``: None (w ``[N, K]``), or the ``[E]`` integer
+    rows per expert on x's device (w ``[E, N, K]``), whose grid has the static T of :func:`_group_tiles`."""
     BM, BN, BK, nw, ns = tiles_for(cfg, x.dtype, leaf=True)
     R = x.shape[0]
     N = w.shape[-2]
@@ -430,9 +481,8 @@ def _launch_leaves(x, w, y, counts, cfg, leaf_k: int, lpp: int, n_sub: int):
                                 LEAF_K=leaf_k, LPP=lpp, FLAT=flat, GROUPED=False, BM=BM, BN=BN, BK=BK, GM=cfg.gemm_group_m,
                                 PREC=DOT_PRECISION, num_warps=nw, num_stages=ns)
         return
-    meta, n_t = _group_tiles(counts, BM, x.device)
-    if not n_t:
-        return
+    meta = _group_tiles(_check_counts(counts, x, w), BM, R)
+    n_t = meta.shape[1]
     grid = (n_t * triton.cdiv(N, BN), n_sub)
     _leaf_gemm_kernel[grid](x, w, y, R, N, x.stride(0), w.stride(1), N, w.stride(0), stride_ys, meta[0], meta[1], meta[2],
                             n_t, kpl, LEAF_K=leaf_k, LPP=lpp, FLAT=flat, GROUPED=True, BM=BM, BN=BN, BK=BK,
@@ -445,6 +495,8 @@ def _program_leaves(cfg, leaves: int, split: bool) -> int:
 
 
 def _leaves(x, w, counts, cfg, leaves, out_dtype, split: bool | None):
+    """:func:`linear_leaves` (``counts`` None) or :func:`grouped_linear_leaves` (``counts`` the ``[E]`` rows per
+    expert on x's device)."""
     x = _contig_k(x)
     w = w.to(x.dtype).contiguous()
     R, K = x.shape
@@ -490,22 +542,26 @@ def linear_leaves(x: torch.Tensor, w: torch.Tensor, cfg, leaves: int, out_dtype:
     return _leaves(x, w, None, cfg, leaves, out_dtype, split)
 
 
-def grouped_linear_leaves(x: torch.Tensor, w: torch.Tensor, counts: list[int], cfg, leaves: int,
+def grouped_linear_leaves(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, cfg, leaves: int,
                           out_dtype: torch.dtype | None = None, split: bool | None = None) -> torch.Tensor:
-    """:func:`grouped_linear` of a row-parallel region (expert ``down_proj``) as leaf GEMMs.
+    """:func:`grouped_linear` of a row-parallel region (expert ``down_proj``) as leaf GEMMs, no host sync.
 
     Args:
-        x: ``[R, K]`` rows sorted by expert. w: ``[E, N, K]``. counts: rows per expert (host ints, sum R).
+        x: ``[R, K]`` rows sorted by expert. w: ``[E, N, K]``. counts: ``[E]`` integer tensor on x's device,
+            rows per expert (sum R), as :func:`grouped_linear`.
         cfg, leaves, out_dtype, split: as in :func:`linear_leaves`.
 
     Returns:
         ``[R, N]``; each row bitwise equal to :func:`linear_leaves` of that row with its expert's weight.
+
+    Raises:
+        ValueError: as :func:`linear_leaves` and :func:`grouped_linear`.
     """
     return _leaves(x, w, counts, cfg, leaves, out_dtype, split)
 
 
 def linear_leaves_partial(x_shard: torch.Tensor, w_shard: torch.Tensor, cfg, leaves_local: int,
-                          out: torch.Tensor | None = None, counts: list[int] | None = None) -> torch.Tensor:
+                          out: torch.Tensor | None = None, counts: torch.Tensor | None = None) -> torch.Tensor:
     """One TP rank's subtree sum of a row-parallel GEMM, fp32, in one launch (no communication).
 
     Args:
@@ -513,7 +569,8 @@ def linear_leaves_partial(x_shard: torch.Tensor, w_shard: torch.Tensor, cfg, lea
             weight, or ``[E, N, K/tp]`` with ``counts`` (the grouped expert ``down_proj`` of an expert-TP rank).
         cfg: ``isoexec.config.TritonSection``. leaves_local: G/tp, the leaves this rank owns.
         out: optional fp32 ``[M, N]`` to write into (e.g. this rank's slot of the all-gather buffer).
-        counts: rows per expert (host ints, sum M; rows sorted by expert), as :func:`grouped_linear_leaves`.
+        counts: ``[E]`` integer rows per expert on x's device (sum M; rows sorted by expert), as
+            :func:`grouped_linear_leaves`.
 
     Returns:
         ``[M, N]`` fp32: the rank's ``leaves_local`` leaf partials added in the tree order (grouped: each

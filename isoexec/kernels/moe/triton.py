@@ -72,12 +72,22 @@ def experts(x, ids, expert_weights, cfg, leaves: int) -> torch.Tensor:
                          lambda xx, *f: experts_reference(xx, ids, unflat(f)), x, *flat_w)
 
 
+def _expert_counts(sorted_ids: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """Rows per expert, ``[n_experts]`` int32 on the ids' device, of ascending expert ids ``sorted_ids`` ``[R]``
+    (integer, R < 2**31): the differences of the experts' first positions, found by a search. No host sync
+    (CUDA-graph capturable), unlike ``torch.bincount``, which on CUDA reads the ids' min and max on the host;
+    int32, the grouped GEMMs' tile-table dtype (no cast there)."""
+    experts = torch.arange(n_experts + 1, device=sorted_ids.device, dtype=sorted_ids.dtype)
+    return torch.searchsorted(sorted_ids, experts, out_int32=True).diff()
+
+
 def _experts(x, ids, expert_weights, cfg, leaves: int) -> torch.Tensor:
     n, hdim = x.shape
     top_k = ids.shape[1]
     flat = ids.reshape(-1)  # (token, rank) pairs in token-major order
-    order = torch.sort(flat, stable=True).indices
-    counts = torch.bincount(flat, minlength=len(expert_weights)).tolist()
+    srt = torch.sort(flat, stable=True)
+    order = srt.indices
+    counts = _expert_counts(srt.values, len(expert_weights))
     xs = x[order // top_k]
     wg, wu, wd = _stacks(expert_weights)
     h = (silu(grouped_linear(xs, wg, counts, cfg).float()) * grouped_linear(xs, wu, counts, cfg).float()).to(x.dtype)
@@ -154,8 +164,9 @@ def _experts_partial(x, ids, local_ids, expert_weights, cfg, leaves_local: int) 
     local[torch.tensor(local_ids, device=ids.device)] = torch.arange(len(local_ids), device=ids.device)
     slot = local[ids.reshape(-1)]  # local expert of each (token, rank) pair, -1 elsewhere
     mine = torch.nonzero(slot >= 0).squeeze(1)
-    order = mine[torch.sort(slot[mine], stable=True).indices]
-    counts = torch.bincount(slot[mine], minlength=len(expert_weights)).tolist()
+    srt = torch.sort(slot[mine], stable=True)
+    order = mine[srt.indices]
+    counts = _expert_counts(srt.values, len(expert_weights))
     xs = x[order // top_k]
     wg, wu, wd = (torch.stack([e[i].detach() for e in expert_weights]) for i in range(3))
     h = (silu(grouped_linear(xs, wg, counts, cfg).float()) * grouped_linear(xs, wu, counts, cfg).float()).to(x.dtype)

@@ -322,7 +322,8 @@ def recipe_overrides(exp: ExperimentConfig, mode: str) -> dict[str, Any]:
                 "weight_transfer_config": None,
                 **compat.server_engine_kwargs(exp.device),
                 "hf_overrides": {"architectures": [ARCH], "isoexec_model_factory": DEFAULT_FACTORY,
-                                 "isoexec_kernels": exp.kernels.model_dump(mode="json")}},
+                                 "isoexec_kernels": exp.kernels.model_dump(mode="json"),
+                                 "isoexec_decode_graphs": exp.engine.isoexec_cuda_graphs}},
         }
     n_seq = exp.rl.prompts_per_step * exp.rl.group_size
     return {

@@ -1,0 +1,255 @@
+"""``engine_decode`` under CUDA graphs: the unified model's decode step replayed from one captured graph per padded
+batch size, with the bits of the eager step (docs/design.md, Engine and trainer).
+
+The eager step builds its metadata on the host from the sequences' caches (hundreds of small launches, each paid
+in Python: ``results/h200-vllm/08dd807/engine_decode``). A captured step cannot: every address it reads must stay
+put and every value that varies must live on the device. So:
+
+* :class:`SlotPools` keeps every pooled sequence's attention keys and values ``[S+1, cap, Hkv, D]`` and conv
+  prefixes ``[S+1, Kc-1, C]`` per layer at fixed addresses (slot S is the pad rows'); the eager path writes a
+  pooled sequence's state there too (``SequenceCache.pools``), so the two paths interleave freely.
+* GDN states already live in the :class:`~isoexec.kernels.gdn.triton.StatePool` (reserved here so it never moves).
+* The step's inputs (token ids, positions, slots) are copied into static buffers and the graph replayed; the
+  sequence regions run their ``slots`` implementations (:class:`~isoexec.model.layers.SlotBatch`): the same kernels
+  with device-built tile tables. The MoE's grouped GEMMs take device tile tables in every step.
+* A token that completes its GDN chunk is scanned in the graph; its chunk's state pass (the resync) runs after the
+  replay, eagerly, for every such (sequence, layer) in one launch per kernel
+  (:func:`~isoexec.kernels.gdn.triton.complete_chunks`).
+
+Pad rows (up to the captured size) run on slot S and GDN dummy slots; no row's bits depend on the others
+(batch invariance), so the real rows are the eager step's rows.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from isoexec.model.cache import SequenceCache
+from isoexec.model.layers import SlotBatch
+
+SLOT_REGIONS = ("attn.core", "gdn.conv1d", "gdn.core")
+
+
+def default_sizes(max_seqs: int) -> list[int]:
+    """Captured batch sizes: 1, 2, 4, then multiples of 8, up to the first >= ``max_seqs`` (vLLM's choice)."""
+    sizes = []
+    for s in [1, 2, 4, *range(8, max_seqs + 8, 8)]:
+        sizes.append(s)
+        if s >= max_seqs:
+            return sizes
+    return sizes
+
+
+class SlotPools:
+    """Attention keys/values and conv prefixes of up to ``slots`` sequences at fixed device addresses.
+
+    Args:
+        model: the :class:`~isoexec.model.unified.UnifiedModel` (its layers' shapes, dtype and device).
+        slots: sequences held at once. capacity: tokens per sequence (prompt and response).
+
+    Raises:
+        ValueError: ``slots`` or ``capacity`` < 1.
+    """
+
+    def __init__(self, model, slots: int, capacity: int):
+        if slots < 1 or capacity < 1:
+            raise ValueError(f"SlotPools: slots={slots}, capacity={capacity}; both must be >= 1")
+        w = model.model.embed_tokens.weight
+        z = dict(device=w.device, dtype=model.dtype)
+        self.slots, self.capacity, self.dummy = slots, capacity, slots
+        self._kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._conv: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(model.model.layers):
+            if layer.layer_type == "full_attention":
+                a = layer.self_attn
+                self._kv[i] = tuple(torch.zeros(slots + 1, capacity, a.hkv, a.d, **z) for _ in range(2))
+            else:
+                g = layer.linear_attn
+                self._conv[i] = torch.zeros(slots + 1, g.kc - 1, g.conv_dim, **z)
+        self._free = list(range(slots - 1, -1, -1))
+
+    def acquire(self) -> int | None:
+        """A free slot, or None when all are taken."""
+        return self._free.pop() if self._free else None
+
+    def release(self, slot: int) -> None:
+        self._free.append(slot)
+
+    def kv_pools(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention layer ``layer``'s (K, V) pools ``[S+1, capacity, Hkv, D]``."""
+        return self._kv[layer]
+
+    def kv_slot(self, layer: int, slot: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Slot ``slot``'s (K, V) ``[capacity, Hkv, D]`` of ``layer``, for a sequence reaching ``end`` tokens.
+
+        Raises:
+            ValueError: ``end`` beyond the capacity.
+        """
+        if end > self.capacity:
+            raise ValueError(f"a sequence of {end} tokens does not fit the decode pools' capacity of "
+                             f"{self.capacity} tokens (max_len of enable_decode_graphs)")
+        k, v = self._kv[layer]
+        return k[slot], v[slot]
+
+    def conv_pool(self, layer: int) -> torch.Tensor:
+        """GDN layer ``layer``'s conv prefix pool ``[S+1, Kc-1, C]``."""
+        return self._conv[layer]
+
+    def conv_slot(self, layer: int, slot: int) -> torch.Tensor:
+        return self._conv[layer][slot]
+
+
+class DecodeGraphs:
+    """Captured ``engine_decode`` steps of one model (enable with ``UnifiedModel.enable_decode_graphs``).
+
+    Args:
+        model: a :class:`~isoexec.model.unified.UnifiedModel` on CUDA with a kernel set whose sequence regions have
+            ``slots`` implementations (the isoexec CUDA set).
+        max_seqs: pooled sequences (and the largest captured batch). max_len: tokens per pooled sequence.
+        sizes: batch sizes to capture (default :func:`default_sizes`); a step pads to the next one.
+
+    Raises:
+        ValueError: a model off CUDA, or a kernel set without slot implementations.
+    """
+
+    def __init__(self, model, max_seqs: int, max_len: int, sizes: list[int] | None = None):
+        ks = model.kernels
+        dev = model.model.embed_tokens.weight.device
+        missing = [r for r in SLOT_REGIONS if ks[r].slots is None]
+        if dev.type != "cuda" or missing:
+            raise ValueError(f"CUDA-graph decode needs a model on CUDA with the isoexec CUDA kernel set; this one is on "
+                             f"{dev} with {ks.mode}/{ks.arch}" + (f", no slot kernels for {missing}" if missing else ""))
+        self.model, self.device = model, dev
+        self.pools = SlotPools(model, max_seqs, max_len)
+        self.sizes = sorted(set(sizes or default_sizes(max_seqs)))
+        self.gdn_layers = [i for i, lay in enumerate(model.model.layers) if lay.layer_type == "linear_attention"]
+        self.state_pool, self.gdn_dummy = None, []
+        if self.gdn_layers:
+            from isoexec.kernels.gdn import triton as gdn
+
+            g = model.model.layers[self.gdn_layers[0]].linear_attn
+            self.state_pool = gdn.get_pool(g.hv, g.dk, g.dv, ks.chunk_size, dev)
+            self.state_pool.reserve(len(self.gdn_layers) * (max_seqs + 1) + 1)
+            self.gdn_dummy = self.state_pool.alloc(len(self.gdn_layers))
+        n = self.sizes[-1]
+        lng = dict(device=dev, dtype=torch.long)
+        self._ids = torch.zeros(n, **lng)
+        self._meta = torch.zeros(2 + len(self.gdn_layers), n, **lng)  # positions, slots, GDN slots per layer
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._mempool = None
+        self._captured_on: tuple = ()
+        self.stats = {"replays": 0, "captures": 0, "chunk_completions": 0}
+
+    # ------------------------------------------------------------------------------------ sequences
+    def new_cache(self) -> SequenceCache:
+        """A sequence cache in a free slot of the pools (released when the cache goes), or a cache of its own
+        buffers when every slot is taken (that sequence's steps then run eagerly)."""
+        fp = self.model.kernels.fingerprint
+        slot = self.pools.acquire()
+        if slot is None:
+            return SequenceCache(policy=fp)
+        cache = SequenceCache(policy=fp, pools=self.pools, slot=slot)
+        weakref.finalize(cache, self.pools.release, slot)
+        return cache
+
+    def accepts(self, caches: list[SequenceCache], lengths: list[int]) -> bool:
+        """Whether this step is a graph step: one token for each of at most ``max(sizes)`` pooled sequences past
+        their prefill (every GDN layer's state present), none at its capacity."""
+        if len(caches) > self.sizes[-1] or any(n != 1 for n in lengths):
+            return False
+        ng, cap = len(self.gdn_layers), self.pools.capacity
+        return all(c.pools is self.pools and 0 < c.position < cap and len(c.gdn) == ng for c in caches)
+
+    # ---------------------------------------------------------------------------------------- step
+    def step(self, caches: list[SequenceCache], ids: torch.Tensor) -> torch.Tensor:
+        """One decode token for each sequence (:meth:`accepts` said yes); the caches' states advance, not their
+        ``position`` (the caller's).
+
+        Args:
+            caches: B pooled sequence caches. ids: ``[B]`` int64 token ids, checked by the caller.
+
+        Returns:
+            ``[B, V]`` fp32 full-vocabulary logprobs (a copy: the graph's output is reused by the next replay).
+
+        Raises:
+            RuntimeError: a GDN state whose open-chunk count disagrees with its sequence's position.
+        """
+        B = len(caches)
+        size = next(s for s in self.sizes if s >= B)
+        self._check_addresses()
+        if size not in self._graphs:
+            self._capture(size)
+        C = self.model.kernels.chunk_size
+        pos = [c.position for c in caches]
+        states = [[c.gdn[layer] for c in caches] for layer in self.gdn_layers]
+        for row in states:
+            for st, p in zip(row, pos):
+                if st.n_open != p % C:
+                    raise RuntimeError(f"a GDN state holds {st.n_open} open-chunk tokens at position {p} (C={C}): "
+                                       "its sequence's cache was advanced outside engine_step")
+        pad = size - B
+        meta = [pos + [0] * pad, [c.slot for c in caches] + [self.pools.dummy] * pad]
+        meta += [[st.slot for st in row] + [d] * pad for row, d in zip(states, self.gdn_dummy)]
+        self._meta[:, :size].copy_(torch.tensor(meta, dtype=torch.long), non_blocking=True)
+        self._ids[:B].copy_(ids)
+        graph, out = self._graphs[size]
+        graph.replay()
+        self.stats["replays"] += 1
+        rows = out[:B].clone()
+        done = [i for i, p in enumerate(pos) if p % C == C - 1]
+        if done:
+            from isoexec.kernels.gdn import triton as gdn
+
+            gdn.complete_chunks(self.state_pool, [row[i].slot for row in states for i in done], self.model.kernels.section.triton)
+            self.stats["chunk_completions"] += len(done) * len(states)
+        for row in states:
+            for st in row:
+                st.n_open = (st.n_open + 1) % C
+        return rows
+
+    # ------------------------------------------------------------------------------------- capture
+    def _forward(self, size: int) -> torch.Tensor:
+        m = self.model
+        pos, slots = self._meta[0, :size], self._meta[1, :size]
+        gdn_slots = {layer: self._meta[2 + j, :size] for j, layer in enumerate(self.gdn_layers)}
+        batch = SlotBatch(self.pools, slots, pos, gdn_slots, m.inv_freq_on(self.device), m.dtype)
+        with torch.no_grad():
+            return m._logprobs(m._hidden(self._ids[:size], batch))
+
+    def _capture(self, size: int) -> None:
+        """Warm up (Triton compiles, the allocator settles) and capture the step of ``size`` rows, all on the pad
+        slots (no sequence's state is touched)."""
+        self._meta[0, :size] = 0
+        self._meta[1, :size] = self.pools.dummy
+        for j, d in enumerate(self.gdn_dummy):
+            self._meta[2 + j, :size] = d
+        self._ids[:size] = 0
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            self._forward(size)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._mempool):
+            out = self._forward(size)
+        self._mempool = graph.pool()
+        self._graphs[size] = (graph, out)
+        self._captured_on = self._addresses()
+        self.stats["captures"] += 1
+
+    def _addresses(self) -> tuple:
+        """What a captured graph holds by address and could move: the GDN state pool's tensors, every parameter
+        object (replaced ones bump :attr:`~isoexec.model.layers.W.epoch`) and the versions of the expert weights
+        (an in-place update makes the MoE rebuild its weight stacks)."""
+        from isoexec.model.layers import W
+
+        pool = tuple(t.data_ptr() for t in self.state_pool.tensors()) if self.state_pool else ()
+        experts = [w for lay in self.model.model.layers for e in lay.mlp.expert_weights() for w in e]
+        return pool, W.epoch, sum(w._version for w in experts)
+
+    def _check_addresses(self) -> None:
+        """Drop every captured graph when something it addresses moved or changed (captured again on use)."""
+        if self._graphs and self._addresses() != self._captured_on:
+            self._graphs.clear()

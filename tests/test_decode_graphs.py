@@ -1,0 +1,123 @@
+"""``engine_decode`` under CUDA graphs (``isoexec.model.graphs``): a captured step gives the eager step's
+full-vocabulary rows bitwise, across GDN chunk boundaries, padded batch sizes, sequences joining and leaving, and an
+in-place weight update; the native set's rows on the same tokens differ (negative control). On the CPU: the pooled
+sequence state the graphs read gives the eager path's bits, and what cannot run is refused in one line."""
+
+import pytest
+import torch
+
+from isoexec.config import KernelSection, ModelSection
+from isoexec.model.build import random_model
+from isoexec.model.graphs import DecodeGraphs, SlotPools, default_sizes
+
+V = 256
+
+
+def _model(kernel_set="isoexec", device="cpu"):
+    return random_model(ModelSection(), KernelSection(chunk_size=16), kernel_set, vocab_size=V, device=device)
+
+
+def _script(seed=0, lens=(3, 17, 30, 9, 1), steps=40):
+    """Prompts and the decode tokens fed to every run (teacher forcing: the same inputs, whatever the bits); the
+    last column is a joining sequence's."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, V, (n,), generator=g) for n in lens], torch.randint(0, V, (steps, len(lens) + 1), generator=g)
+
+
+def _decode(model, prompts, tokens, make_cache, join_at=None, leave_at=None, update_at=None):
+    """Prefill, then one row per sequence per step; a sequence joins (its prefill beside the decodes) at step
+    ``join_at``, the first two leave at ``leave_at``, expert 0 of layer 0 is scaled in place at ``update_at``."""
+    caches = [make_cache() for _ in prompts]
+    first = [torch.cat(model.engine_step(caches, prompts, last_only=True))]
+    live = list(range(len(prompts)))
+    out = []
+    for step, row in enumerate(tokens):
+        chunks = [row[i].view(1) for i in live]
+        if step == join_at:
+            caches.append(make_cache())
+            chunks.append(torch.arange(5) % V)
+            live.append(len(caches) - 1)
+        if step == leave_at:
+            live, chunks = live[2:], chunks[2:]
+        if step == update_at:
+            with torch.no_grad():
+                model.model.layers[0].mlp.experts[0].down_proj.weight.mul_(1.5)
+        out.append(torch.cat(model.engine_step([caches[i] for i in live], chunks, last_only=True)))
+    return first + out
+
+
+# ------------------------------------------------------------------------------------------------- CPU
+def test_default_sizes_pad_to_multiples_of_eight():
+    assert default_sizes(1) == [1]
+    assert default_sizes(4) == [1, 2, 4]
+    assert default_sizes(5) == [1, 2, 4, 8]
+    assert default_sizes(32) == [1, 2, 4, 8, 16, 24, 32]
+    assert default_sizes(33)[-1] == 40
+
+
+def test_pooled_caches_give_the_bits_of_caches_of_their_own():
+    """The eager path writes a pooled sequence's keys, values and conv prefixes into its slot (what a graph step
+    reads): same rows as caches with their own buffers, through chunked prefill and decode."""
+    model = _model()
+    pools = SlotPools(model, slots=6, capacity=64)
+    prompts, tokens = _script(steps=12)
+    fp = model.kernels.fingerprint
+    from isoexec.model.cache import SequenceCache
+
+    slots = iter(range(6))
+    plain = _decode(model, prompts, tokens, model.new_cache, join_at=4)
+    pooled = _decode(model, prompts, tokens, lambda: SequenceCache(policy=fp, pools=pools, slot=next(slots)), join_at=4)
+    assert all(torch.equal(a, b) for a, b in zip(plain, pooled))
+    k, _ = pools.kv_pools(3)
+    assert k[0, : len(prompts[0])].abs().sum() > 0  # the slots hold the keys (not a silent fallback)
+    assert pools.conv_pool(0)[1].abs().sum() > 0
+
+
+def test_a_sequence_beyond_the_pool_capacity_is_refused():
+    model = _model()
+    pools = SlotPools(model, slots=1, capacity=8)
+    from isoexec.model.cache import SequenceCache
+
+    cache = SequenceCache(policy=model.kernels.fingerprint, pools=pools, slot=0)
+    with pytest.raises(ValueError, match="a sequence of 9 tokens does not fit the decode pools' capacity of 8 tokens"):
+        model.engine_step([cache], [torch.arange(9)])
+
+
+def test_graphs_refuse_a_cpu_model_in_one_line():
+    with pytest.raises(ValueError, match="CUDA-graph decode needs a model on CUDA with the isoexec CUDA kernel set; "
+                                         "this one is on cpu"):
+        DecodeGraphs(_model(), max_seqs=4, max_len=64)
+
+
+# ------------------------------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+def test_graph_decode_equals_eager_bitwise_and_native_differs():
+    """Five sequences (padded to 8), 40 steps with C = 16 (every sequence completes chunks at its own steps), a
+    sequence joining with its prefill (an eager step), one leaving (another captured size), an in-place update of an
+    expert weight (the graphs are captured again): every full-vocabulary fp32 row equal to the eager model's."""
+    prompts, tokens = _script()
+    kw = dict(join_at=10, leave_at=20, update_at=30)
+    eager = _model(device="cuda")
+    graphed = _model(device="cuda")
+    graphs = graphed.enable_decode_graphs(max_seqs=8, max_len=96)
+    a = _decode(eager, prompts, tokens, eager.new_cache, **kw)
+    b = _decode(graphed, prompts, tokens, graphed.new_cache, **kw)
+    assert len(a) == len(b) == 41
+    unequal = [i for i, (x, y) in enumerate(zip(a, b)) if not torch.equal(x, y)]
+    assert not unequal, f"graph rows differ from eager rows at steps {unequal}"
+    assert graphs.stats["replays"] == 39  # every decode step but the joining one
+    assert graphs.stats["chunk_completions"] > 0 and graphs.stats["captures"] >= 3
+    native = _model("native", device="cuda")
+    c = _decode(native, prompts, tokens, native.new_cache, **kw)
+    assert sum(not torch.equal(x, z) for x, z in zip(a, c)) > 20  # negative control
+
+
+@pytest.mark.gpu
+def test_graph_rows_do_not_depend_on_the_other_sequences():
+    """One sequence alone (padded to 1) and beside seven others (size 8): the same rows, step by step."""
+    prompts, tokens = _script(lens=(7, 12, 3, 25, 4, 9, 16, 2), steps=20)
+    model = _model(device="cuda")
+    model.enable_decode_graphs(max_seqs=8, max_len=64)
+    many = _decode(model, prompts, tokens, model.new_cache)
+    one = _decode(model, prompts[:1], tokens[:, :2], model.new_cache)
+    assert all(torch.equal(m[:1], o) for m, o in zip(many, one))
