@@ -60,27 +60,29 @@ def test_interpreted_gradient_check_sees_a_wrong_gradient_negative_control():
 def test_moe_expert_stacks_are_cached_per_layer_and_follow_in_place_updates():
     """The Triton MoE stacks a layer's expert weights once: two layers alternating keep their stacks (before,
     one cache slot per weight kind restacked every layer on every call), an in-place update of any expert
-    weight of any kind (a weight sync) gives fresh stacks, and so does a weight at another address. Runs on
-    the CPU: the cache is plain torch."""
+    weight of any kind (a weight sync) restacks the new values into the same stack tensors (what a captured CUDA
+    graph reads), and a weight at another address gives new stacks. Runs on the CPU: the cache is plain torch."""
     import torch
 
-    from isoexec.kernels.moe.triton import _stacks
+    from isoexec.kernels.moe.triton import expert_stacks
 
     layers = [[tuple(torch.randn(4, 3) for _ in range(3)) for _ in range(5)] for _ in range(2)]
-    first = [_stacks(ex) for ex in layers]
-    assert all(_stacks(ex) is s for ex, s in zip(layers, first))
+    first = [expert_stacks(ex) for ex in layers]
+    assert all(expert_stacks(ex) is s for ex, s in zip(layers, first))
     assert all(torch.equal(s[k], torch.stack([e[k] for e in ex])) for ex, s in zip(layers, first) for k in range(3))
     for kind in range(3):
-        before = _stacks(layers[1])
+        before = expert_stacks(layers[1])
+        ptr = before[kind].data_ptr()
         with torch.no_grad():
             layers[1][3][kind].add_(1.0)
-        fresh = _stacks(layers[1])
-        assert fresh is not before and torch.equal(fresh[kind][3], layers[1][3][kind])
+        fresh = expert_stacks(layers[1])
+        assert fresh is before and fresh[kind].data_ptr() == ptr
+        assert all(torch.equal(fresh[k], torch.stack([e[k] for e in layers[1]])) for k in range(3))
     moved = [list(e) for e in layers[1]]
     moved[4][0] = moved[4][0] * 2  # another storage (and other values): a fresh stack holding them
-    got = _stacks([tuple(e) for e in moved])
-    assert got is not _stacks(layers[1]) and torch.equal(got[0][4], moved[4][0])
-    assert _stacks(layers[0]) is first[0]
+    got = expert_stacks([tuple(e) for e in moved])
+    assert got is not expert_stacks(layers[1]) and torch.equal(got[0][4], moved[4][0])
+    assert expert_stacks(layers[0]) is first[0]
 
 
 def _moe_probe():

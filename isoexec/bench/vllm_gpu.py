@@ -252,23 +252,19 @@ def profile(plan: Plan, engines: dict[str, Worker], shape: tuple[int, int, int],
 
 
 def score_all(plan: Plan, ckpt: Path) -> list[dict[str, Any]]:
-    """Rollout check: every mode's samples scored by its trainers, in parallel processes."""
+    """Rollout check: every mode's samples scored by its trainers, each in its own process; the trainers load at once
+    and score one after another (three scoring beside each other on one H200 ran out of memory at h200-rlstep: the
+    native Megatron scorer's [T, V] rows, ``results/h200-vllm/7c241ee``)."""
     jobs = [("isoexec", "unified"), ("isoexec", "megatron"), ("native", "megatron")]
     workers = {(m, b): Worker(f"{b}-{m}", trainer_main, plan.config, str(ckpt), b, m) for m, b in jobs
                if plan.samples[m]}
     k = plan.cfg.kernels
-    sent = {}
-    for key, w in workers.items():
+    rows = []
+    for (mode, backend), w in workers.items():
         try:
             # at least SCORE_FLOOR_S: at h200-rlstep the unified scorer took over 120 s to load beside two Megatron ones
-            w.submit("score", timeout=max(plan.left(), SCORE_FLOOR_S), files=plan.samples[key[0]], chunk_size=k.chunk_size,
+            w.submit("score", timeout=max(plan.left(), SCORE_FLOOR_S), files=plan.samples[mode], chunk_size=k.chunk_size,
                      kv_block=k.kv_block)
-            sent[key] = w
-        except WorkerError as e:
-            plan.note(stage="trainer_failed", mode=key[0], trainer=key[1], error=str(e)[-4000:])
-    rows = []
-    for (mode, backend), w in sent.items():
-        try:
             r = w.result(max(plan.left(), SCORE_FLOOR_S))
             rows.append({"mode": mode, "engine": f"vllm-{mode}", "trainer": f"{backend}-{mode}", **r})
             plan.note(stage="rollout_check", mode=mode, trainer=backend, tokens=r["tokens"],
@@ -296,10 +292,10 @@ def run(config: str, out: str, work: str, shapes: list[str], group: int, deadlin
     check_len = (1000 if plan.cuda else 200) + (200 if plan.cuda else 40) + 64
     engines = start_engines(plan, ckpt, max(s for s, _, _ in parsed), max_len, check_len)
     try:
-        for name, w in engines.items():  # compile / autotune at small shapes, outside the timings
-            try:
+        for name, w in engines.items():  # compile / autotune at small shapes, outside the timings; the isoexec
+            try:                           # engines capture their decode graphs at their first decode step
                 r = w.call("generate", prompts=prompts_for(plan.vocab, 2, 64, 1), n=2, max_tokens=16, seed=0)
-                plan.note(stage="warmup", engine=name, seconds=r["seconds"])
+                plan.note(stage="warmup", engine=name, seconds=r["seconds"], state=w.call("cache_state"))
             except WorkerError as e:
                 plan.note(stage="warmup_failed", engine=name, error=str(e)[-4000:])
         gen_cost(plan, engines, parsed, group, reserve_s=150)

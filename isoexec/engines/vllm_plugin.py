@@ -533,11 +533,14 @@ class IsoExecWorkerExtension:
             w.check(self.model_runner.get_model())
 
     def isoexec_cache_state(self) -> dict[str, Any]:
-        """Number of live per-request caches and routing counters (tests, diagnostics)."""
+        """Number of live per-request caches and routing counters; the decode graphs' counters (captures and their
+        seconds, replays) where they run (tests, diagnostics)."""
         m = self._isoexec_model()
         if m is None:
             return {"kind": "native"}
-        return {"kind": "isoexec", "caches": m.num_caches(), **m.stats}
+        graphs = m.unified.decode_graphs
+        return {"kind": "isoexec", "caches": m.num_caches(), **m.stats,
+                **({"decode_graphs": dict(graphs.stats)} if graphs is not None else {})}
 
     # -- verified weights ----------------------------------------------------------------------
     def _isoexec_alias(self, name: str) -> str:

@@ -22,6 +22,7 @@ Pad rows (up to the captured size) run on slot S and GDN dummy slots; no row's b
 
 from __future__ import annotations
 
+import time
 import weakref
 
 import torch
@@ -123,7 +124,7 @@ class DecodeGraphs:
                              f"{dev} with {ks.mode}/{ks.arch}" + (f", no slot kernels for {missing}" if missing else ""))
         self.model, self.device = model, dev
         self.pools = SlotPools(model, max_seqs, max_len)
-        self.sizes = sorted(set(sizes or default_sizes(max_seqs)))
+        self.sizes = sorted(set(sizes or default_sizes(max_seqs)), reverse=True)  # the largest first: one memory pool
         self.gdn_layers = [i for i, lay in enumerate(model.model.layers) if lay.layer_type == "linear_attention"]
         self.state_pool, self.gdn_dummy = None, []
         if self.gdn_layers:
@@ -133,14 +134,14 @@ class DecodeGraphs:
             self.state_pool = gdn.get_pool(g.hv, g.dk, g.dv, ks.chunk_size, dev)
             self.state_pool.reserve(len(self.gdn_layers) * (max_seqs + 1) + 1)
             self.gdn_dummy = self.state_pool.alloc(len(self.gdn_layers))
-        n = self.sizes[-1]
+        n = self.sizes[0]
         lng = dict(device=dev, dtype=torch.long)
         self._ids = torch.zeros(n, **lng)
         self._meta = torch.zeros(2 + len(self.gdn_layers), n, **lng)  # positions, slots, GDN slots per layer
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._mempool = None
         self._captured_on: tuple = ()
-        self.stats = {"replays": 0, "captures": 0, "chunk_completions": 0}
+        self.stats = {"replays": 0, "captures": 0, "capture_s": 0.0, "weight_refreshes": 0, "chunk_completions": 0}
 
     # ------------------------------------------------------------------------------------ sequences
     def new_cache(self) -> SequenceCache:
@@ -157,7 +158,7 @@ class DecodeGraphs:
     def accepts(self, caches: list[SequenceCache], lengths: list[int]) -> bool:
         """Whether this step is a graph step: one token for each of at most ``max(sizes)`` pooled sequences past
         their prefill (every GDN layer's state present), none at its capacity."""
-        if len(caches) > self.sizes[-1] or any(n != 1 for n in lengths):
+        if len(caches) > self.sizes[0] or any(n != 1 for n in lengths):
             return False
         ng, cap = len(self.gdn_layers), self.pools.capacity
         return all(c.pools is self.pools and 0 < c.position < cap and len(c.gdn) == ng for c in caches)
@@ -177,10 +178,10 @@ class DecodeGraphs:
             RuntimeError: a GDN state whose open-chunk count disagrees with its sequence's position.
         """
         B = len(caches)
-        size = next(s for s in self.sizes if s >= B)
+        size = min(s for s in self.sizes if s >= B)
         self._check_addresses()
-        if size not in self._graphs:
-            self._capture(size)
+        if not self._graphs:
+            self._capture_all()
         C = self.model.kernels.chunk_size
         pos = [c.position for c in caches]
         states = [[c.gdn[layer] for c in caches] for layer in self.gdn_layers]
@@ -218,6 +219,16 @@ class DecodeGraphs:
         with torch.no_grad():
             return m._logprobs(m._hidden(self._ids[:size], batch))
 
+    def _capture_all(self) -> None:
+        """Capture every size (vLLM captures its sizes at engine start; here the first decode step pays, once, and
+        ``stats["capture_s"]`` says what it cost), and record what the graphs address."""
+        t0 = time.perf_counter()
+        for size in self.sizes:
+            self._capture(size)
+        torch.cuda.synchronize(self.device)
+        self._captured_on = self._addresses()
+        self.stats["capture_s"] += time.perf_counter() - t0
+
     def _capture(self, size: int) -> None:
         """Warm up (Triton compiles, the allocator settles) and capture the step of ``size`` rows, all on the pad
         slots (no sequence's state is touched)."""
@@ -236,20 +247,36 @@ class DecodeGraphs:
             out = self._forward(size)
         self._mempool = graph.pool()
         self._graphs[size] = (graph, out)
-        self._captured_on = self._addresses()
         self.stats["captures"] += 1
 
     def _addresses(self) -> tuple:
-        """What a captured graph holds by address and could move: the GDN state pool's tensors, every parameter
-        object (replaced ones bump :attr:`~isoexec.model.layers.W.epoch`) and the versions of the expert weights
-        (an in-place update makes the MoE rebuild its weight stacks)."""
+        """What the captured graphs hold and could change: the GDN state pool's tensors (they move when the pool
+        grows), the parameter objects (a replacement bumps :attr:`~isoexec.model.layers.W.epoch`), the MoE's expert
+        weight stacks (:func:`~isoexec.kernels.moe.triton.expert_stacks`), and the sum of the expert weights'
+        versions (an in-place update moves it: the stacks must be restacked)."""
+        from isoexec.kernels.moe.triton import expert_stacks
         from isoexec.model.layers import W
 
         pool = tuple(t.data_ptr() for t in self.state_pool.tensors()) if self.state_pool else ()
-        experts = [w for lay in self.model.model.layers for e in lay.mlp.expert_weights() for w in e]
-        return pool, W.epoch, sum(w._version for w in experts)
+        moes = [lay.mlp.expert_weights() for lay in self.model.model.layers]
+        stacks = tuple(s.data_ptr() for ew in moes for s in expert_stacks(ew))
+        return pool, W.epoch, stacks, sum(w._version for ew in moes for e in ew for w in e)
 
     def _check_addresses(self) -> None:
-        """Drop every captured graph when something it addresses moved or changed (captured again on use)."""
-        if self._graphs and self._addresses() != self._captured_on:
+        """Before a replay: an in-place update of the weights (a weight sync) is restacked into the stacks the graphs
+        read; anything that moved drops every graph (captured again at the next step). Compares the versions' sum
+        first: the full check restacks, at 0.45 ms a layer (:func:`~isoexec.kernels.moe.triton.expert_stacks`)."""
+        from isoexec.model.layers import W
+
+        if not self._graphs:
+            return
+        experts = [w for lay in self.model.model.layers for e in lay.mlp.expert_weights() for w in e]
+        pool = tuple(t.data_ptr() for t in self.state_pool.tensors()) if self.state_pool else ()
+        if (pool, W.epoch, sum(w._version for w in experts)) == (*self._captured_on[:2], self._captured_on[3]):
+            return
+        now = self._addresses()  # restacks in place where only the values changed
+        if now[:3] != self._captured_on[:3]:
             self._graphs.clear()
+        else:
+            self.stats["weight_refreshes"] += 1
+        self._captured_on = now

@@ -26,27 +26,35 @@ from isoexec.kernels.moe.routing import iso_route
 from isoexec.kernels.primitives import sigmoid, silu
 
 _STACK_CACHE: dict[int, tuple] = {}
-"""One entry per layer: ``id`` of its first expert weight -> (weak reference to it, the key of every expert weight
-(storage address and version, in order), the three ``[E, N, K]`` stacks)."""
+"""One entry per layer: ``id`` of its first expert weight -> (weak reference to it, the storage address and the
+version of every expert weight in order, the three ``[E, N, K]`` stacks)."""
 
 
-def _stacks(experts) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def expert_stacks(experts) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The ``[E, N, K]`` stacks of one layer's expert weights (gate, up, down), cached per layer while every weight
-    is unchanged: the same storage and version (an in-place update -- a weight sync, ``load_state_dict``, an
-    optimizer step -- bumps the version); an entry goes when its model does. A write through ``.data`` bypasses
-    the version counter and is not seen (no isoexec path writes so). The key is two flat lists over the layer's 3E
-    tensors: at 256 experts the check took 0.45 ms a call on the H200 host of ``results/h200-vllm/08dd807``
-    (cProfile), O(E) every call; expert weights held as views of one stack would need no check."""
+    is the same tensor (storage address); an in-place update of any of them (a weight sync, ``load_state_dict``, an
+    optimizer step: their version counters move) restacks into the same stack tensors, so a captured CUDA graph
+    (:mod:`isoexec.model.graphs`) reads the new values; a weight at another address gives new stacks. An entry goes
+    when its model does. A write through ``.data`` bypasses the version counter and is not seen (no isoexec path
+    writes so). The key is two flat lists over the layer's 3E tensors: at 256 experts the check took 0.45 ms a call
+    on the H200 host of ``results/h200-vllm/08dd807`` (cProfile), O(E) every call; expert weights held as views of
+    one stack would need no check."""
     flat = [w for e in experts for w in e]
-    key = (list(map(torch.Tensor.data_ptr, flat)), [w._version for w in flat])
+    ptrs, versions = list(map(torch.Tensor.data_ptr, flat)), [w._version for w in flat]
     hit = _STACK_CACHE.get(id(flat[0]))
-    if hit is None or hit[0]() is not flat[0] or hit[1] != key:
-        for k in [k for k, v in _STACK_CACHE.items() if v[0]() is None]:
-            del _STACK_CACHE[k]
-        stacks = tuple(torch.stack([w.detach() for w in flat[i::3]]) for i in range(3))
-        hit = (weakref.ref(flat[0]), key, stacks)
-        _STACK_CACHE[id(flat[0])] = hit
-    return hit[2]
+    if hit is not None and hit[0]() is flat[0] and hit[1] == ptrs:
+        if hit[2] != versions:  # new values in the same tensors: restack in place
+            for i, s in enumerate(hit[3]):
+                with torch.inference_mode(s.is_inference()):
+                    torch.stack([w.detach() for w in flat[i::3]], out=s)
+            hit = (hit[0], ptrs, versions, hit[3])
+            _STACK_CACHE[id(flat[0])] = hit
+        return hit[3]
+    for k in [k for k, v in _STACK_CACHE.items() if v[0]() is None]:
+        del _STACK_CACHE[k]
+    stacks = tuple(torch.stack([w.detach() for w in flat[i::3]]) for i in range(3))
+    _STACK_CACHE[id(flat[0])] = (weakref.ref(flat[0]), ptrs, versions, stacks)
+    return stacks
 
 
 def router(x, router_w, top_k: int, norm_topk_prob: bool, cfg):
@@ -89,7 +97,7 @@ def _experts(x, ids, expert_weights, cfg, leaves: int) -> torch.Tensor:
     order = srt.indices
     counts = _expert_counts(srt.values, len(expert_weights))
     xs = x[order // top_k]
-    wg, wu, wd = _stacks(expert_weights)
+    wg, wu, wd = expert_stacks(expert_weights)
     h = (silu(grouped_linear(xs, wg, counts, cfg).float()) * grouped_linear(xs, wu, counts, cfg).float()).to(x.dtype)
     y = torch.empty((n * top_k, hdim), device=x.device, dtype=torch.float32)
     y[order] = grouped_linear_leaves(h, wd, counts, cfg, leaves).float()
