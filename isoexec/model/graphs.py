@@ -22,6 +22,7 @@ Pad rows (up to the captured size) run on slot S and GDN dummy slots; no row's b
 
 from __future__ import annotations
 
+import operator
 import time
 import weakref
 
@@ -31,6 +32,7 @@ from isoexec.model.cache import SequenceCache
 from isoexec.model.layers import SlotBatch
 
 SLOT_REGIONS = ("attn.core", "gdn.conv1d", "gdn.core")
+_VERSION = operator.attrgetter("_version")
 
 
 def default_sizes(max_seqs: int) -> list[int]:
@@ -141,6 +143,7 @@ class DecodeGraphs:
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._mempool = None
         self._captured_on: tuple = ()
+        self._experts: tuple[int, list] = (-1, [])
         self.stats = {"replays": 0, "captures": 0, "capture_s": 0.0, "weight_refreshes": 0, "chunk_completions": 0}
 
     # ------------------------------------------------------------------------------------ sequences
@@ -260,19 +263,29 @@ class DecodeGraphs:
         pool = tuple(t.data_ptr() for t in self.state_pool.tensors()) if self.state_pool else ()
         moes = [lay.mlp.expert_weights() for lay in self.model.model.layers]
         stacks = tuple(s.data_ptr() for ew in moes for s in expert_stacks(ew))
-        return pool, W.epoch, stacks, sum(w._version for ew in moes for e in ew for w in e)
+        return pool, W.epoch, stacks, sum(map(_VERSION, self._expert_weights()))
+
+    def _expert_weights(self) -> list[torch.Tensor]:
+        """Every expert weight of the model, one list while no weight Parameter is replaced (:attr:`W.epoch`)."""
+        from isoexec.model.layers import W
+
+        if self._experts[0] != W.epoch:
+            self._experts = (W.epoch, [w for lay in self.model.model.layers for e in lay.mlp.expert_weights() for w in e])
+        return self._experts[1]
 
     def _check_addresses(self) -> None:
         """Before a replay: an in-place update of the weights (a weight sync) is restacked into the stacks the graphs
         read; anything that moved drops every graph (captured again at the next step). Compares the versions' sum
-        first: the full check restacks, at 0.45 ms a layer (:func:`~isoexec.kernels.moe.triton.expert_stacks`)."""
+        first: the full check restacks, at 0.45 ms a layer (:func:`~isoexec.kernels.moe.triton.expert_stacks`); the
+        sum alone cost 2 ms a step under cProfile inside vLLM when its list was rebuilt every step
+        (``results/h200-vllm/7c241ee``), now one list per weight epoch."""
         from isoexec.model.layers import W
 
         if not self._graphs:
             return
-        experts = [w for lay in self.model.model.layers for e in lay.mlp.expert_weights() for w in e]
         pool = tuple(t.data_ptr() for t in self.state_pool.tensors()) if self.state_pool else ()
-        if (pool, W.epoch, sum(w._version for w in experts)) == (*self._captured_on[:2], self._captured_on[3]):
+        versions = sum(map(_VERSION, self._expert_weights()))
+        if (pool, W.epoch, versions) == (*self._captured_on[:2], self._captured_on[3]):
             return
         now = self._addresses()  # restacks in place where only the values changed
         if now[:3] != self._captured_on[:3]:
