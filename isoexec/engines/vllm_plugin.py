@@ -220,9 +220,9 @@ class IsoExecForCausalLM(nn.Module):
                                                                device=self.device)
         finally:
             torch.set_default_dtype(prev)
-        if getattr(hf, "isoexec_decode_graphs", False) and self.device == "cuda":
-            self.unified.enable_decode_graphs(max_seqs=vllm_config.scheduler_config.max_num_seqs,
-                                              max_len=vllm_config.model_config.max_model_len)
+        enable = getattr(self.unified, "enable_decode_graphs", None)  # a factory's model may have no graphs
+        if getattr(hf, "isoexec_decode_graphs", False) and self.device == "cuda" and enable is not None:
+            enable(max_seqs=vllm_config.scheduler_config.max_num_seqs, max_len=vllm_config.model_config.max_model_len)
         self._vllm_config = vllm_config
         self._loaded = False
         self.vocab_size = int(hf.vocab_size)
@@ -538,7 +538,7 @@ class IsoExecWorkerExtension:
         m = self._isoexec_model()
         if m is None:
             return {"kind": "native"}
-        graphs = m.unified.decode_graphs
+        graphs = getattr(m.unified, "decode_graphs", None)
         return {"kind": "isoexec", "caches": m.num_caches(), **m.stats,
                 **({"decode_graphs": dict(graphs.stats)} if graphs is not None else {})}
 
