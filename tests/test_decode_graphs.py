@@ -73,14 +73,32 @@ def test_pooled_caches_give_the_bits_of_caches_of_their_own():
     assert pools.conv_pool(0)[1].abs().sum() > 0
 
 
-def test_a_sequence_beyond_the_pool_capacity_is_refused():
+def test_a_sequence_beyond_the_pool_capacity_is_refused_before_any_state_moves():
+    """Refused before any layer runs: the refused sequence then continues as its twin that never saw the step (the
+    check inside the attention layer came after the GDN layers had moved the sequence's states)."""
     model = _model()
-    pools = SlotPools(model, slots=1, capacity=8)
-    from isoexec.model.cache import SequenceCache
+    pools = SlotPools(model, slots=2, capacity=8)
+    a, b = pools.new_cache(model.kernels.fingerprint), pools.new_cache(model.kernels.fingerprint)
+    for c in (a, b):
+        model.engine_step([c], [torch.arange(5)])
+    with pytest.raises(ValueError, match="a sequence of 10 tokens does not fit the decode pools' capacity of 8 tokens"):
+        model.engine_step([a], [torch.arange(5)])
+    ra, rb = (model.engine_step([c], [torch.tensor([7])])[0] for c in (a, b))
+    assert torch.equal(ra, rb) and a.position == b.position == 6
 
-    cache = SequenceCache(policy=model.kernels.fingerprint, pools=pools, slot=0)
-    with pytest.raises(ValueError, match="a sequence of 9 tokens does not fit the decode pools' capacity of 8 tokens"):
-        model.engine_step([cache], [torch.arange(9)])
+
+def test_pool_slots_are_reused_when_their_caches_go_and_a_full_pool_gives_caches_of_their_own():
+    model = _model()
+    pools = SlotPools(model, slots=2, capacity=16)
+    fp = model.kernels.fingerprint
+    a, b = pools.new_cache(fp), pools.new_cache(fp)
+    extra = pools.new_cache(fp)
+    assert {a.slot, b.slot} == {0, 1} and extra.pools is None and pools.free_slots() == 0
+    slot_a = a.slot
+    del a
+    assert pools.free_slots() == 1
+    c = pools.new_cache(fp)
+    assert c.pools is pools and c.slot == slot_a
 
 
 def test_graphs_refuse_a_cpu_model_in_one_line():
@@ -123,3 +141,18 @@ def test_graph_rows_do_not_depend_on_the_other_sequences():
     many = _decode(model, prompts, tokens, model.new_cache)
     one = _decode(model, prompts[:1], tokens[:, :2], model.new_cache)
     assert all(torch.equal(m[:1], o) for m, o in zip(many, one))
+
+
+def test_replacing_any_parameter_of_the_model_moves_the_epoch_the_graphs_check():
+    """The decode graphs read parameters by address: a replaced one (here the GDN decay ``A_log``, held by its layer
+    itself, not by a weight holder) must bump ``W.epoch``; an in-place update must not (the graphs see it)."""
+    from isoexec.model.layers import W
+
+    model = _model()
+    gdn = model.model.layers[0].linear_attn
+    e0 = W.epoch
+    with torch.no_grad():
+        gdn.A_log.mul_(1.0)
+    assert W.epoch == e0
+    gdn.A_log = torch.nn.Parameter(gdn.A_log.detach().clone())
+    assert W.epoch > e0

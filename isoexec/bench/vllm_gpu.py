@@ -253,8 +253,9 @@ def profile(plan: Plan, engines: dict[str, Worker], shape: tuple[int, int, int],
 
 def score_all(plan: Plan, ckpt: Path) -> list[dict[str, Any]]:
     """Rollout check: every mode's samples scored by its trainers, each in its own process; the trainers load at once
-    and score one after another (three scoring beside each other on one H200 ran out of memory at h200-rlstep: the
-    native Megatron scorer's [T, V] rows, ``results/h200-vllm/7c241ee``)."""
+    and score one after another, each closed (its GPU memory freed) once it has answered: three scoring beside each
+    other on one H200 ran out of memory at h200-rlstep (the native Megatron scorer's [T, V] rows,
+    ``results/h200-vllm/7c241ee``)."""
     jobs = [("isoexec", "unified"), ("isoexec", "megatron"), ("native", "megatron")]
     workers = {(m, b): Worker(f"{b}-{m}", trainer_main, plan.config, str(ckpt), b, m) for m, b in jobs
                if plan.samples[m]}
@@ -272,7 +273,6 @@ def score_all(plan: Plan, ckpt: Path) -> list[dict[str, Any]]:
                       full_vocab_rows_equal=f"{r['full_vocab_rows_equal']}/{r['full_vocab_rows']}")
         except WorkerError as e:
             plan.note(stage="rollout_check_failed", mode=mode, trainer=backend, error=str(e)[-4000:])
-    for w in workers.values():
         w.close()
     _write(plan, "rollout_check.csv", rows)
     return rows

@@ -220,14 +220,14 @@ class IsoExecForCausalLM(nn.Module):
                                                                device=self.device)
         finally:
             torch.set_default_dtype(prev)
-        enable = getattr(self.unified, "enable_decode_graphs", None)  # a factory's model may have no graphs
-        if getattr(hf, "isoexec_decode_graphs", False) and self.device == "cuda" and enable is not None:
-            enable(max_seqs=vllm_config.scheduler_config.max_num_seqs, max_len=vllm_config.model_config.max_model_len)
         self._vllm_config = vllm_config
         self._loaded = False
         self.vocab_size = int(hf.vocab_size)
         self._contract = self.unified.contract()
         check_settings(self._contract, engine_settings(vllm_config))
+        enable = getattr(self.unified, "enable_decode_graphs", None)  # a factory's model may have no graphs
+        if getattr(hf, "isoexec_decode_graphs", False) and self.device == "cuda" and enable is not None:
+            enable(max_seqs=vllm_config.scheduler_config.max_num_seqs, max_len=vllm_config.model_config.max_model_len)
         # Never called: keeps vLLM's KV block accounting (admission, preemption) as for a native model.
         self.slot_budget = Attention(
             num_heads=1,
@@ -295,6 +295,7 @@ class IsoExecForCausalLM(nn.Module):
             if s.position == 0:
                 if s.req_id in self._seen:
                     self.stats["restarts"] += 1  # recompute after preemption
+                self._caches.pop(s.req_id, None)  # its pooled slot is free again before the new cache takes one
                 self._caches[s.req_id] = self.unified.new_cache()
                 self._seen.add(s.req_id)
                 self.stats["cache_resets"] += 1

@@ -37,12 +37,8 @@ _VERSION = operator.attrgetter("_version")
 
 def default_sizes(max_seqs: int) -> list[int]:
     """Captured batch sizes: 1, 2, 4, then multiples of 8, up to the first >= ``max_seqs`` (vLLM's choice)."""
-    sizes = []
-    for s in [1, 2, 4, *range(8, max_seqs + 8, 8)]:
-        sizes.append(s)
-        if s >= max_seqs:
-            return sizes
-    return sizes
+    candidates = [1, 2, 4, *range(8, max_seqs + 8, 8)]
+    return candidates[: next(i for i, s in enumerate(candidates) if s >= max_seqs) + 1]
 
 
 class SlotPools:
@@ -73,12 +69,22 @@ class SlotPools:
                 self._conv[i] = torch.zeros(slots + 1, g.kc - 1, g.conv_dim, **z)
         self._free = list(range(slots - 1, -1, -1))
 
-    def acquire(self) -> int | None:
-        """A free slot, or None when all are taken."""
-        return self._free.pop() if self._free else None
+    def new_cache(self, policy: str) -> SequenceCache:
+        """A sequence cache in a free slot (the slot is free again when the cache is gone), or, when every slot is
+        taken, a cache of its own buffers (whose steps run eagerly)."""
+        if not self._free:
+            return SequenceCache(policy=policy)
+        slot = self._free.pop()
+        cache = SequenceCache(policy=policy, pools=self, slot=slot)
+        weakref.finalize(cache, self._free.append, slot)
+        return cache
 
-    def release(self, slot: int) -> None:
-        self._free.append(slot)
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    def nbytes(self) -> int:
+        """Bytes the pools hold (allocated up front: every slot at the full capacity)."""
+        return sum(t.nbytes for kv in self._kv.values() for t in kv) + sum(t.nbytes for t in self._conv.values())
 
     def kv_pools(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Attention layer ``layer``'s (K, V) pools ``[S+1, capacity, Hkv, D]``."""
@@ -101,6 +107,7 @@ class SlotPools:
         return self._conv[layer]
 
     def conv_slot(self, layer: int, slot: int) -> torch.Tensor:
+        """Slot ``slot``'s conv prefix ``[Kc-1, C]`` of GDN layer ``layer``."""
         return self._conv[layer][slot]
 
 
@@ -136,35 +143,38 @@ class DecodeGraphs:
             self.state_pool = gdn.get_pool(g.hv, g.dk, g.dv, ks.chunk_size, dev)
             self.state_pool.reserve(len(self.gdn_layers) * (max_seqs + 1) + 1)
             self.gdn_dummy = self.state_pool.alloc(len(self.gdn_layers))
+            for d in self.gdn_dummy:
+                weakref.finalize(self, self.state_pool.release, d)
         n = self.sizes[0]
         lng = dict(device=dev, dtype=torch.long)
         self._ids = torch.zeros(n, **lng)
         self._meta = torch.zeros(2 + len(self.gdn_layers), n, **lng)  # positions, slots, GDN slots per layer
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._out = torch.empty(n, model.config.vocab_size, device=dev, dtype=torch.float32)  # every graph's output
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._mempool = None
         self._captured_on: tuple = ()
         self._experts: tuple[int, list] = (-1, [])
-        self.stats = {"replays": 0, "captures": 0, "capture_s": 0.0, "weight_refreshes": 0, "chunk_completions": 0}
+        self.stats = {"replays": 0, "captures": 0, "capture_s": 0.0, "weight_refreshes": 0, "chunk_completions": 0,
+                      "eager_steps": 0, "unpooled_caches": 0, "pool_bytes": self.pools.nbytes(), "graph_pool_bytes": 0}
 
     # ------------------------------------------------------------------------------------ sequences
     def new_cache(self) -> SequenceCache:
         """A sequence cache in a free slot of the pools (released when the cache goes), or a cache of its own
         buffers when every slot is taken (that sequence's steps then run eagerly)."""
-        fp = self.model.kernels.fingerprint
-        slot = self.pools.acquire()
-        if slot is None:
-            return SequenceCache(policy=fp)
-        cache = SequenceCache(policy=fp, pools=self.pools, slot=slot)
-        weakref.finalize(cache, self.pools.release, slot)
+        cache = self.pools.new_cache(self.model.kernels.fingerprint)
+        if cache.pools is None:
+            self.stats["unpooled_caches"] += 1
         return cache
 
     def accepts(self, caches: list[SequenceCache], lengths: list[int]) -> bool:
         """Whether this step is a graph step: one token for each of at most ``max(sizes)`` pooled sequences past
         their prefill (every GDN layer's state present), none at its capacity."""
-        if len(caches) > self.sizes[0] or any(n != 1 for n in lengths):
-            return False
         ng, cap = len(self.gdn_layers), self.pools.capacity
-        return all(c.pools is self.pools and 0 < c.position < cap and len(c.gdn) == ng for c in caches)
+        ok = (len(caches) <= self.sizes[0] and all(n == 1 for n in lengths)
+              and all(c.pools is self.pools and 0 < c.position < cap and len(c.gdn) == ng for c in caches))
+        if not ok and all(n == 1 for n in lengths):
+            self.stats["eager_steps"] += 1  # a decode step the graphs could not take (an unpooled or new sequence)
+        return ok
 
     # ---------------------------------------------------------------------------------------- step
     def step(self, caches: list[SequenceCache], ids: torch.Tensor) -> torch.Tensor:
@@ -175,7 +185,7 @@ class DecodeGraphs:
             caches: B pooled sequence caches. ids: ``[B]`` int64 token ids, checked by the caller.
 
         Returns:
-            ``[B, V]`` fp32 full-vocabulary logprobs (a copy: the graph's output is reused by the next replay).
+            ``[B, V]`` fp32 full-vocabulary logprobs (a copy: the graphs' output buffer is reused by the next replay).
 
         Raises:
             RuntimeError: a GDN state whose open-chunk count disagrees with its sequence's position.
@@ -198,10 +208,9 @@ class DecodeGraphs:
         meta += [[st.slot for st in row] + [d] * pad for row, d in zip(states, self.gdn_dummy)]
         self._meta[:, :size].copy_(torch.tensor(meta, dtype=torch.long), non_blocking=True)
         self._ids[:B].copy_(ids)
-        graph, out = self._graphs[size]
-        graph.replay()
+        self._graphs[size].replay()
         self.stats["replays"] += 1
-        rows = out[:B].clone()
+        rows = self._out[:B].clone()
         done = [i for i, p in enumerate(pos) if p % C == C - 1]
         if done:
             from isoexec.kernels.gdn import triton as gdn
@@ -214,23 +223,25 @@ class DecodeGraphs:
         return rows
 
     # ------------------------------------------------------------------------------------- capture
-    def _forward(self, size: int) -> torch.Tensor:
+    def _forward(self, size: int) -> None:
         m = self.model
         pos, slots = self._meta[0, :size], self._meta[1, :size]
         gdn_slots = {layer: self._meta[2 + j, :size] for j, layer in enumerate(self.gdn_layers)}
         batch = SlotBatch(self.pools, slots, pos, gdn_slots, m.inv_freq_on(self.device), m.dtype)
         with torch.no_grad():
-            return m._logprobs(m._hidden(self._ids[:size], batch))
+            self._out[:size].copy_(m._logprobs(m._hidden(self._ids[:size], batch)))
 
     def _capture_all(self) -> None:
         """Capture every size (vLLM captures its sizes at engine start; here the first decode step pays, once, and
         ``stats["capture_s"]`` says what it cost), and record what the graphs address."""
         t0 = time.perf_counter()
+        before = torch.cuda.memory_reserved(self.device)
         for size in self.sizes:
             self._capture(size)
         torch.cuda.synchronize(self.device)
         self._captured_on = self._addresses()
         self.stats["capture_s"] += time.perf_counter() - t0
+        self.stats["graph_pool_bytes"] = max(self.stats["graph_pool_bytes"], torch.cuda.memory_reserved(self.device) - before)
 
     def _capture(self, size: int) -> None:
         """Warm up (Triton compiles, the allocator settles) and capture the step of ``size`` rows, all on the pad
@@ -247,26 +258,29 @@ class DecodeGraphs:
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._mempool):
-            out = self._forward(size)
+            self._forward(size)  # no output held: the pool's blocks serve every capture, the result is in _out
         self._mempool = graph.pool()
-        self._graphs[size] = (graph, out)
+        self._graphs[size] = graph
         self.stats["captures"] += 1
+
+    def _pool_ptrs(self) -> tuple:
+        return tuple(t.data_ptr() for t in self.state_pool.tensors()) if self.state_pool else ()
 
     def _addresses(self) -> tuple:
         """What the captured graphs hold and could change: the GDN state pool's tensors (they move when the pool
-        grows), the parameter objects (a replacement bumps :attr:`~isoexec.model.layers.W.epoch`), the MoE's expert
-        weight stacks (:func:`~isoexec.kernels.moe.triton.expert_stacks`), and the sum of the expert weights'
-        versions (an in-place update moves it: the stacks must be restacked)."""
+        grows), every parameter's storage, the MoE's expert weight stacks
+        (:func:`~isoexec.kernels.moe.triton.expert_stacks`, restacked in place after an in-place update), the
+        parameter epoch (:attr:`~isoexec.model.layers.W.epoch`) and the sum of the expert weights' versions (an
+        in-place update moves it)."""
         from isoexec.kernels.moe.triton import expert_stacks
         from isoexec.model.layers import W
 
-        pool = tuple(t.data_ptr() for t in self.state_pool.tensors()) if self.state_pool else ()
-        moes = [lay.mlp.expert_weights() for lay in self.model.model.layers]
-        stacks = tuple(s.data_ptr() for ew in moes for s in expert_stacks(ew))
-        return pool, W.epoch, stacks, sum(map(_VERSION, self._expert_weights()))
+        params = tuple(p.data_ptr() for p in self.model.parameters())
+        stacks = tuple(s.data_ptr() for lay in self.model.model.layers for s in expert_stacks(lay.mlp.expert_weights()))
+        return self._pool_ptrs(), params, stacks, W.epoch, sum(map(_VERSION, self._expert_weights()))
 
     def _expert_weights(self) -> list[torch.Tensor]:
-        """Every expert weight of the model, one list while no weight Parameter is replaced (:attr:`W.epoch`)."""
+        """Every expert weight of the model, one list while no parameter is replaced (:attr:`W.epoch`)."""
         from isoexec.model.layers import W
 
         if self._experts[0] != W.epoch:
@@ -275,21 +289,22 @@ class DecodeGraphs:
 
     def _check_addresses(self) -> None:
         """Before a replay: an in-place update of the weights (a weight sync) is restacked into the stacks the graphs
-        read; anything that moved drops every graph (captured again at the next step). Compares the versions' sum
-        first: the full check restacks, at 0.45 ms a layer (:func:`~isoexec.kernels.moe.triton.expert_stacks`); the
-        sum alone cost 2 ms a step under cProfile inside vLLM when its list was rebuilt every step
-        (``results/h200-vllm/7c241ee``), now one list per weight epoch."""
+        read; a storage that moved (a pool grown, a parameter replaced) drops every graph (captured again at the next
+        step). Per step it compares the pool's addresses, the parameter epoch (any replacement of a parameter or a
+        submodule anywhere in any model bumps it; then every parameter's storage is compared) and the expert weights'
+        versions' sum (when it moved: the restack, 0.45 ms a layer, :func:`~isoexec.kernels.moe.triton.expert_stacks`).
+        The sum costs O(layers x experts) a step: 2 ms under cProfile inside vLLM at h200-rlstep when its list was
+        rebuilt every step (``results/h200-vllm/7c241ee``), now one list per epoch."""
         from isoexec.model.layers import W
 
         if not self._graphs:
             return
-        pool = tuple(t.data_ptr() for t in self.state_pool.tensors()) if self.state_pool else ()
-        versions = sum(map(_VERSION, self._expert_weights()))
-        if (pool, W.epoch, versions) == (*self._captured_on[:2], self._captured_on[3]):
+        pool, _, _, epoch, versions = self._captured_on
+        if (self._pool_ptrs(), W.epoch, sum(map(_VERSION, self._expert_weights()))) == (pool, epoch, versions):
             return
         now = self._addresses()  # restacks in place where only the values changed
         if now[:3] != self._captured_on[:3]:
             self._graphs.clear()
-        else:
+        elif now[4] != versions:
             self.stats["weight_refreshes"] += 1
         self._captured_on = now

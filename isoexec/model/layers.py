@@ -35,17 +35,18 @@ class _EpochDict(dict):
         super().__delitem__(key)
 
 
-def _count_changes(module: nn.Module, *names: str) -> None:
+def count_changes(module: nn.Module, *names: str) -> None:
     """Make ``module``'s dicts ``names`` (``"_parameters"``, ``"_modules"``) :class:`_EpochDict`\\ s."""
     for name in names:
-        object.__setattr__(module, name, _EpochDict(getattr(module, name)))
+        if not isinstance(getattr(module, name), _EpochDict):
+            object.__setattr__(module, name, _EpochDict(getattr(module, name)))
 
 
 class W(nn.Module):
     """A named weight holder (``<name>.weight``), so parameter names match the HF checkpoint.
 
     :attr:`epoch` counts every replacement of a weight Parameter object or of an expert's submodule (see
-    :class:`_EpochDict`): a list of weight tensors built at one epoch holds the module's current Parameter objects
+    :class:`_EpochDict`; in a ``UnifiedModel``, of any module's parameter or submodule): a list of weight tensors built at one epoch holds the module's current Parameter objects
     while the epoch is the same (:meth:`SparseMoE.expert_weights`). Changes of a Parameter's values keep the
     objects; the kernel sets that cache derived tensors see them by the tensors' address and version (in-place
     updates: weight syncs, ``load_state_dict``, optimizer steps), not writes through ``.data``, which bypass the
@@ -55,7 +56,7 @@ class W(nn.Module):
 
     def __init__(self, *shape: int):
         super().__init__()
-        _count_changes(self, "_parameters")
+        count_changes(self, "_parameters")
         self.weight = nn.Parameter(torch.zeros(*shape))
 
 
@@ -112,8 +113,6 @@ class SlotBatch:
         gdn_slots: GDN layer index -> ``[B]`` int64, each row's GDN state slot. inv_freq, dtype: as :class:`Batch`.
     """
 
-    grad = False
-
     def __init__(self, pools, slots, positions, gdn_slots, inv_freq, dtype):
         self.pools, self.slots, self.positions, self.gdn_slots = pools, slots, positions, gdn_slots
         self.rope = rope_cos_sin(positions, inv_freq, dtype)
@@ -124,7 +123,7 @@ class Expert(nn.Module):
 
     def __init__(self, hidden: int, inter: int):
         super().__init__()
-        _count_changes(self, "_modules")
+        count_changes(self, "_modules")
         self.gate_proj, self.up_proj, self.down_proj = W(inter, hidden), W(inter, hidden), W(hidden, inter)
 
     def weights(self):
@@ -139,7 +138,7 @@ class SparseMoE(nn.Module):
         h = cfg.hidden_size
         self.gate = W(cfg.num_experts, h)
         self.experts = nn.ModuleList([Expert(h, cfg.moe_intermediate_size) for _ in range(cfg.num_experts)])
-        _count_changes(self.experts, "_modules")
+        count_changes(self.experts, "_modules")
         self.shared_expert = Expert(h, cfg.shared_expert_intermediate_size)
         self.shared_expert_gate = W(1, h)
         # Qwen3.5 always renormalises the top-k weights (its config has no norm_topk_prob field)

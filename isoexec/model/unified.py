@@ -19,7 +19,7 @@ from isoexec.kernels import KernelSet
 from isoexec.kernels.attention.rope import rope_inv_freq
 from isoexec.model.cache import SequenceCache
 from isoexec.model.inputs import InputError, check_attention_mask, check_cu_seqlens, check_token_ids
-from isoexec.model.layers import Attention, Backbone, Batch, GatedDeltaNet, W
+from isoexec.model.layers import Attention, Backbone, Batch, GatedDeltaNet, W, count_changes
 
 
 class UnifiedModel(nn.Module):
@@ -54,6 +54,8 @@ class UnifiedModel(nn.Module):
         self._inv_freq_on = (self.inv_freq, self.inv_freq)  # (source, its copy on the parameters' device): :meth:`_run`
         self.decode_graphs = None  # :meth:`enable_decode_graphs`
         self.to(dtype)
+        for m in self.modules():  # any replaced parameter or submodule bumps W.epoch (what the decode graphs check)
+            count_changes(m, "_parameters", "_modules")
 
     @property
     def dtype(self) -> torch.dtype:
@@ -166,8 +168,9 @@ class UnifiedModel(nn.Module):
             token after ``chunks[i][j]``. Bits do not depend on the other sequences or on chunking.
 
         Raises:
-            ValueError: mismatched lengths, or a cache built under another kernel set or other
-                constants (its ``policy`` fingerprint differs).
+            ValueError: mismatched lengths, a cache built under another kernel set or other
+                constants (its ``policy`` fingerprint differs), or a pooled sequence that would exceed its pools'
+                capacity (:meth:`enable_decode_graphs`; nothing of the step runs).
             isoexec.model.inputs.InputError: no chunk, an empty chunk, or an id outside ``[0, V)``.
         """
         if len(caches) != len(chunks):
@@ -182,6 +185,10 @@ class UnifiedModel(nn.Module):
         ids = torch.cat(chunks)
         check_token_ids(ids, self.config.vocab_size, "chunks (concatenated)")  # one check (one sync) per step
         lens = [c.numel() for c in chunks]
+        for c, n in zip(caches, lens):  # before any layer runs: a refusal leaves every cache as it was
+            if c.pools is not None and c.position + n > c.pools.capacity:
+                raise ValueError(f"a sequence of {c.position + n} tokens does not fit the decode pools' capacity of "
+                                 f"{c.pools.capacity} tokens (max_len of enable_decode_graphs)")
         if self.decode_graphs is not None and self.decode_graphs.accepts(caches, lens):
             out = self.decode_graphs.step(caches, ids.to(self.model.embed_tokens.weight.device))
             for c in caches:
