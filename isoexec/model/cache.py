@@ -58,7 +58,6 @@ class SequenceCache:
             self.kv[layer] = (kbuf, vbuf)
         return kbuf, vbuf
 
-
     def set_conv(self, layer: int, prefix: torch.Tensor) -> None:
         """Keep ``prefix`` ``[Kc-1, C]`` as ``layer``'s conv prefix (copied into the slot of a pooled sequence)."""
         if self.pools is None:

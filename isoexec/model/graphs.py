@@ -86,6 +86,12 @@ class SlotPools:
         """Bytes the pools hold (allocated up front: every slot at the full capacity)."""
         return sum(t.nbytes for kv in self._kv.values() for t in kv) + sum(t.nbytes for t in self._conv.values())
 
+    def check_fits(self, end: int) -> None:
+        """Raises ValueError, naming both, when a sequence of ``end`` tokens exceeds the capacity."""
+        if end > self.capacity:
+            raise ValueError(f"a sequence of {end} tokens does not fit the decode pools' capacity of "
+                             f"{self.capacity} tokens (max_len of enable_decode_graphs)")
+
     def kv_pools(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Attention layer ``layer``'s (K, V) pools ``[S+1, capacity, Hkv, D]``."""
         return self._kv[layer]
@@ -94,11 +100,9 @@ class SlotPools:
         """Slot ``slot``'s (K, V) ``[capacity, Hkv, D]`` of ``layer``, for a sequence reaching ``end`` tokens.
 
         Raises:
-            ValueError: ``end`` beyond the capacity.
+            ValueError: ``end`` beyond the capacity (:meth:`check_fits`).
         """
-        if end > self.capacity:
-            raise ValueError(f"a sequence of {end} tokens does not fit the decode pools' capacity of "
-                             f"{self.capacity} tokens (max_len of enable_decode_graphs)")
+        self.check_fits(end)
         k, v = self._kv[layer]
         return k[slot], v[slot]
 

@@ -186,9 +186,8 @@ class UnifiedModel(nn.Module):
         check_token_ids(ids, self.config.vocab_size, "chunks (concatenated)")  # one check (one sync) per step
         lens = [c.numel() for c in chunks]
         for c, n in zip(caches, lens):  # before any layer runs: a refusal leaves every cache as it was
-            if c.pools is not None and c.position + n > c.pools.capacity:
-                raise ValueError(f"a sequence of {c.position + n} tokens does not fit the decode pools' capacity of "
-                                 f"{c.pools.capacity} tokens (max_len of enable_decode_graphs)")
+            if c.pools is not None:
+                c.pools.check_fits(c.position + n)
         if self.decode_graphs is not None and self.decode_graphs.accepts(caches, lens):
             out = self.decode_graphs.step(caches, ids.to(self.model.embed_tokens.weight.device))
             for c in caches:
