@@ -1,26 +1,34 @@
-"""One RL step on one GPU, isoexec vs native kernel sets on the same harness: generation through the
-unified model's engine path, scoring, and the policy update (forward + backward + optimizer).
+"""One RL step on one GPU, isoexec vs native: generation, scoring, and the policy update (forward + backward +
+optimizer), with the generation either in the unified model's own loop (the harness) or in vLLM.
 
-"native" here is the unified model's own Python loops with stock kernels (SDPA, fla, cuBLAS), not vLLM:
-its generation ratio says how the Triton set compares with stock kernels in this loop, not how IsoExec
-compares with a production engine. ``isoexec.bench.vllm_gpu`` measures generation against vLLM's own engine.
+``python -m isoexec.bench.rl_step --config experiments/h200-rlstep.yaml --engine vllm --out results/h200-vllm/rl_step.csv``
 
-``python -m isoexec.bench.rl_step --config experiments/h200-rlstep.yaml --out results/h200/rl_step.csv``
+Two engines (``--engine``):
+
+- ``vllm``: each arm is a vLLM engine and the unified model as the trainer, in one worker process: the native arm
+  generates with vLLM's own Qwen3-Next at its best settings (torch.compile, CUDA graphs, FlashAttention, its Triton
+  GDN and fused MoE) and trains the unified model with stock kernels (SDPA, fla, cuBLAS); the isoexec arm generates
+  with vLLM and the isoexec plugin (its decode CUDA graphs on) and trains with the Triton set. Both load one random
+  checkpoint (:func:`isoexec.bench.vllm_gpu.make_checkpoint`) and compare what they loaded before the first step;
+  after each update the weights go to the engine through ``RolloutEngine.sync_weights`` (the checked path: contract
+  handshake, transfer, checksums on both sides; ``time/weight_sync``, reported beside ``time/step``). This is the
+  generation ratio to compare with a production engine.
+- ``harness``: generation through the unified model's own ``engine_step`` loop with either kernel set. Its
+  "native" is that loop with stock kernels, not vLLM: its generation ratio says how the Triton set compares with
+  stock kernels in this loop, not how IsoExec compares with a production engine.
 
 The step (timing names of docs/design.md, Metrics): ``time/generation`` — ``P`` prompts, each sampled ``G`` times
-(``rl.prompts_per_step`` x ``rl.group_size`` sequences), prefilled in one engine step and decoded for
-``rl.max_new_tokens`` tokens, sampling from the full-vocabulary logprob rows (fixed length, no stop
-token, so both sets do the same work); ``time/score`` — the reward (a stand-in verifier: the share of
-even token ids in the response) and the pre-update ``trainer_score`` logprobs of the response tokens;
-``logprob_abs_diff_*`` / ``mismatch_count`` compare those trainer logprobs with the engine's logprobs of
-the sampled tokens (docs/design.md, Metrics); ``time/train`` — GRPO (group-normalised advantages, token-level clipped ratio loss) forward + backward
-over the same sequences in micro-batches of ``G`` sequences and one :class:`~isoexec.trainer.optim.MasterAdamW`
-step; ``time/step`` — the sum. Engine and trainer are the same in-process model, so there is no weight
-sync. Both kernel sets start from the same random weights (random init on the GPU, seed 0) and the same
-prompts and sampling seeds; the sets run one after the other (one model and optimizer in memory at a
-time), each with one warm-up step of the same shapes (compilation, fla's autotuning) that is left out,
-then ``--steps`` timed steps.
-The CSV has one row per (kernel set, step) and a ``median`` row per set, plus the ratios isoexec/native.
+(``rl.prompts_per_step`` x ``rl.group_size`` sequences) for ``rl.max_new_tokens`` tokens (fixed length, EOS
+ignored, so both arms do the same work); ``time/score`` — the reward (a stand-in verifier: the share of even token
+ids in the response) and the pre-update ``trainer_score`` logprobs of the response tokens;
+``logprob_abs_diff_*`` / ``mismatch_count`` compare those trainer logprobs with the engine's logprobs of the
+sampled tokens (docs/design.md, Metrics); ``time/train`` — GRPO (group-normalised advantages, token-level clipped
+ratio loss) forward + backward over the same sequences in micro-batches of ``G`` sequences and one
+:class:`~isoexec.trainer.optim.MasterAdamW` step; ``time/step`` — the sum of the three. Both arms start from the
+same random weights (seed 0) and the same prompts and sampling seeds; the arms run one after the other (one arm's
+model, optimizer and engine in memory at a time), each with one untimed warm-up step of the same shapes
+(compilation, autotuning, graph capture), then ``--steps`` timed steps.
+The CSV has one row per (arm, step) and a ``median`` row per arm, plus the ratios isoexec/native.
 """
 
 from __future__ import annotations
@@ -68,28 +76,61 @@ def _sample(lp: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
     return torch.multinomial(lp.exp(), 1, generator=gen)[:, 0]
 
 
-def rl_step(model, opt, prompts: list[torch.Tensor], group: int, new_tokens: int, seed: int, clip=(0.2, 0.28)) -> dict:
-    """One step; returns the phase times (s) and a few sanity numbers."""
+def generate_local(model, prompts: list[torch.Tensor], group: int, new_tokens: int, seed: int):
+    """Generation through the model's own engine path: every sample's prompt prefilled in one ``engine_step``, then
+    ``new_tokens - 1`` decode steps, sampling from the full-vocabulary rows.
+
+    Returns:
+        ``(chunks, resp, roll)``: the ``B = len(prompts) * group`` prompts (each prompt ``group`` times, in order),
+        ``resp`` ``[B, new_tokens]`` int64 sampled ids and ``roll`` ``[B, new_tokens]`` fp32, the engine's logprob of
+        each sampled token (on the model's device).
+    """
     dev = model.lm_head.weight.device
     gen = torch.Generator(device=dev).manual_seed(seed)
-    B = len(prompts) * group
-    t0 = _sync_time()
-    # ---- generation: prefill every sample's prompt, then decode new_tokens - 1 steps
-    caches = [model.new_cache() for _ in range(B)]
+    caches = [model.new_cache() for _ in range(len(prompts) * group)]
     chunks = [p for p in prompts for _ in range(group)]
     lp = torch.cat(model.engine_step(caches, chunks, last_only=True))
     toks = [_sample(lp, gen)]
-    roll = [lp.gather(1, toks[-1][:, None])[:, 0]]  # the engine's logprob of each sampled token
+    roll = [lp.gather(1, toks[-1][:, None])[:, 0]]
     for _ in range(new_tokens - 1):
         lp = torch.cat(model.engine_step(caches, [t.view(1) for t in toks[-1]], last_only=True))
         toks.append(_sample(lp, gen))
         roll.append(lp.gather(1, toks[-1][:, None])[:, 0])
-    del caches, lp
+    return chunks, torch.stack(toks, 1), torch.stack(roll, 1).float()
+
+
+def generate_engine(eng, prompts: list[torch.Tensor], group: int, new_tokens: int, seed: int, dev):
+    """Generation through a vLLM :class:`~isoexec.engines.vllm_engine.RolloutEngine` (fixed length: EOS ignored), the
+    same outputs as :func:`generate_local` (``resp`` and ``roll`` moved to ``dev``).
+
+    Raises:
+        RuntimeError: a response of another length than ``new_tokens``.
+    """
+    groups = eng.generate([p.tolist() for p in prompts], n=group, max_tokens=new_tokens, seed=seed, ignore_eos=True,
+                          **({"temperature": float(eng.kernels.temperature)} if eng.mode == "isoexec" else {}))
+    comps = [c for g in groups for c in g]
+    bad = [len(c.token_ids) for c in comps if len(c.token_ids) != new_tokens]
+    if bad:
+        raise RuntimeError(f"the engine returned responses of {sorted(set(bad))} tokens, asked for {new_tokens}")
+    resp = torch.tensor([c.token_ids for c in comps], dtype=torch.long, device=dev)
+    roll = torch.stack([c.logprobs for c in comps]).to(dev, torch.float32)
+    return [p for p in prompts for _ in range(group)], resp, roll
+
+
+def policy_update(model, opt, chunks: list[torch.Tensor], resp: torch.Tensor, roll: torch.Tensor, group: int,
+                  clip=(0.2, 0.28)) -> dict:
+    """Score (reward, group-normalised advantages, pre-update ``trainer_score`` logprobs of the response tokens,
+    compared with the rollout's ``roll``) and train (GRPO token-level clipped loss, forward + backward per
+    micro-batch of ``group`` sequences, one optimizer step) on :func:`generate_local`'s outputs.
+
+    Returns:
+        ``time/score``, ``time/train`` (s) and the step's numbers (module docstring).
+    """
+    dev = model.lm_head.weight.device
+    B, new_tokens = resp.shape
     t1 = _sync_time()
-    # ---- score: reward, group-normalised advantages, pre-update logprobs of the response tokens
-    resp = torch.stack(toks, 1)  # [B, R]
     reward = (resp % 2 == 0).float().mean(1)
-    r = reward.view(len(prompts), group)
+    r = reward.view(B // group, group)
     adv = ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + 1e-6)).view(-1)
     seqs = [torch.cat([chunks[b].to(dev), resp[b]]) for b in range(B)]
     micro = [list(range(i, min(i + group, B))) for i in range(0, B, group)]
@@ -110,8 +151,7 @@ def rl_step(model, opt, prompts: list[torch.Tensor], group: int, new_tokens: int
     with torch.no_grad():
         old = torch.cat([resp_logprobs(idx, False) for idx in micro])
     t2 = _sync_time()
-    d = (old - torch.stack(roll, 1)).abs()  # pre-update trainer logprob vs rollout logprob, per token
-    # ---- train: GRPO token-level clipped loss, forward + backward per micro-batch, one optimizer step
+    d = (old.float() - roll).abs()  # pre-update trainer logprob vs rollout logprob, per token
     n_tok = B * new_tokens
     loss_sum = 0.0
     for idx in micro:
@@ -124,53 +164,138 @@ def rl_step(model, opt, prompts: list[torch.Tensor], group: int, new_tokens: int
         del new, ratio, loss
     grad_norm = opt.step()
     t3 = _sync_time()
-    return {"time/generation": t1 - t0, "time/score": t2 - t1, "time/train": t3 - t2, "time/step": t3 - t0,
+    return {"time/score": t2 - t1, "time/train": t3 - t2,
             "logprob_abs_diff_mean": float(d.mean()), "logprob_abs_diff_max": float(d.max()),
             "mismatch_count": int((d != 0).sum()), "reward_mean": float(reward.mean()), "loss": loss_sum,
-            "grad_norm": grad_norm,
-            "tokens_generated": B * new_tokens, "tokens_trained": sum(s.numel() for s in seqs)}
+            "grad_norm": grad_norm, "tokens_generated": B * new_tokens, "tokens_trained": sum(s.numel() for s in seqs)}
+
+
+def rl_step(model, opt, prompts: list[torch.Tensor], group: int, new_tokens: int, seed: int, clip=(0.2, 0.28),
+            engine=None) -> dict:
+    """One step: :func:`generate_local` (``engine`` None) or :func:`generate_engine`, then :func:`policy_update`, and
+    with an engine the weight sync (``RolloutEngine.sync_weights``, its checked path: contract handshake, transfer,
+    checksums on both sides). Returns the phase times (s) and the step's numbers; ``time/step`` is generation +
+    score + train (``time/weight_sync`` beside it)."""
+    from isoexec.trainer.base import sync_state
+
+    t0 = _sync_time()
+    if engine is None:
+        chunks, resp, roll = generate_local(model, prompts, group, new_tokens, seed)
+    else:
+        chunks, resp, roll = generate_engine(engine, prompts, group, new_tokens, seed, model.lm_head.weight.device)
+    t1 = _sync_time()
+    row = {"time/generation": t1 - t0, **policy_update(model, opt, chunks, resp, roll, group, clip)}
+    row["time/step"] = row["time/generation"] + row["time/score"] + row["time/train"]
+    if engine is not None:
+        t2 = _sync_time()
+        engine.sync_weights(sync_state(model), model.contract() if engine.mode == "isoexec" else None)
+        row["time/weight_sync"] = _sync_time() - t2
+    return row
+
+
+def local_arm(cfg, kernel_set: str, prompts: list[torch.Tensor], rl, steps: int, log=print) -> list[dict]:
+    """One kernel set on the harness: the model built in this process (:func:`build_model`), one untimed warm-up
+    step (compilation, fla's autotuning), then ``steps`` timed :func:`rl_step` rows."""
+    from isoexec.trainer.optim import MasterAdamW
+
+    model = build_model(cfg, kernel_set)
+    opt = MasterAdamW(model.named_parameters(), lr=rl.lr, max_grad_norm=rl.max_grad_norm)
+    cuda = cfg.device == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    rl_step(model, opt, prompts, rl.group_size, rl.max_new_tokens, seed=1000)
+    log(f"{kernel_set}: warm-up step {time.perf_counter() - t0:.1f} s")
+    rows = []
+    for s in range(steps):
+        r = rl_step(model, opt, prompts, rl.group_size, rl.max_new_tokens, seed=s)
+        rows.append({"kernel_set": kernel_set, "engine": "harness", "step": s, **r,
+                     "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None})
+        log(json.dumps(rows[-1]))
+    del model, opt
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+    return rows
+
+
+def vllm_arm(config: str, cfg, kernel_set: str, checkpoint: str, prompts: list[torch.Tensor], rl, steps: int,
+             log=print) -> list[dict]:
+    """One kernel set with vLLM as the engine: vLLM native (its own Qwen3-Next at its best settings, torch.compile
+    and CUDA graphs) for ``native``, vLLM with the isoexec plugin for ``isoexec``, and the unified model of that
+    kernel set as the trainer, both loaded from ``checkpoint`` in one worker process
+    (:func:`isoexec.bench.workers.rl_arm_main`); an untimed warm-up step, then ``steps`` timed rows."""
+    from isoexec.bench.vllm_gpu import engine_settings
+    from isoexec.bench.workers import Worker, WorkerError, rl_arm_main
+
+    B = rl.prompts_per_step * rl.group_size
+    settings = engine_settings(cfg.device == "cuda", kernel_set, False, B, len(prompts[0]) + rl.max_new_tokens + 64,
+                               kv_gib=2)
+    w = Worker(f"rl-{kernel_set}", rl_arm_main, config, checkpoint, kernel_set, settings)
+    rows = []
+    try:
+        info = w.ready(1800)
+        log(json.dumps({"arm": kernel_set, "engine_settings": settings, **info}))
+        plist = [p.tolist() for p in prompts]
+        for s in [1000, *range(steps)]:
+            r = w.call("step", timeout=1800, prompts=plist, group=rl.group_size, new_tokens=rl.max_new_tokens, seed=s)
+            log(json.dumps({"arm": kernel_set, "seed": s, **r}))
+            if s != 1000:
+                rows.append({"kernel_set": kernel_set, "engine": f"vllm-{kernel_set}", "step": s, **r,
+                             "engine_start_s": info["engine_start_s"]})
+    except WorkerError as e:  # the other arm still runs; the CSV keeps what this one measured
+        log(json.dumps({"arm": kernel_set, "failed": str(e)[-4000:]}))
+    finally:
+        w.close()
+    return rows
 
 
 def run(config: str, out: str, steps: int = 2, prompt_len: int = 128,
-        sets: tuple[str, ...] = ("isoexec", "native"), new_tokens: int | None = None, log=print) -> list[dict]:
-    """Both kernel sets, one after the other; writes the CSV and returns its rows. ``new_tokens``
-    overrides ``rl.max_new_tokens`` (a shorter smoke run)."""
-    from isoexec.config import load_config
-    from isoexec.io import write_csv
-    from isoexec.trainer.optim import MasterAdamW
+        sets: tuple[str, ...] = ("isoexec", "native"), new_tokens: int | None = None, engine: str = "harness",
+        work: str = "/tmp/isoexec-rl-step", log=print) -> list[dict]:
+    """Both kernel sets, one after the other, on the harness (``engine="harness"``: the unified model's own
+    generation loop in both) or with vLLM as the engine (``engine="vllm"``: :func:`vllm_arm`; the random checkpoint
+    of :func:`isoexec.bench.vllm_gpu.make_checkpoint` in ``work``); writes the CSV and returns its rows.
+    ``new_tokens`` overrides ``rl.max_new_tokens`` (a shorter smoke run).
 
+    Raises:
+        ValueError: an ``engine`` other than "harness" or "vllm".
+    """
+    from pathlib import Path
+
+    from isoexec.config import load_config
+    from isoexec.io import atomic_write_text, write_csv
+    from isoexec.provenance import provenance
+
+    if engine not in ("harness", "vllm"):
+        raise ValueError(f"--engine {engine!r}: expected 'harness' or 'vllm'")
     cfg = load_config(config)
     rl = cfg.rl if new_tokens is None else cfg.rl.model_copy(update={"max_new_tokens": new_tokens})
     gen = torch.Generator().manual_seed(0)
-    vocab = cfg.model.vocab_size
+    from isoexec.model.hf import hf_config
+
+    vocab = hf_config(cfg.model).vocab_size
     prompts = [torch.randint(0, vocab, (prompt_len,), generator=gen) for _ in range(rl.prompts_per_step)]
+    ckpt = None
+    if engine == "vllm":
+        from isoexec.bench.vllm_gpu import make_checkpoint
+
+        Path(work).mkdir(parents=True, exist_ok=True)
+        ckpt = str(make_checkpoint(cfg, Path(work) / f"{cfg.name}-checkpoint"))
     rows = []
     for ks in sets:
-        model = build_model(cfg, ks)
-        opt = MasterAdamW(model.named_parameters(), lr=rl.lr, max_grad_norm=rl.max_grad_norm)
-        cuda = cfg.device == "cuda"
-        if cuda:
-            torch.cuda.reset_peak_memory_stats()
-        t0 = time.perf_counter()
-        rl_step(model, opt, prompts, rl.group_size, rl.max_new_tokens, seed=1000)  # compile and autotune at these shapes
-        log(f"{ks}: warm-up step {time.perf_counter() - t0:.1f} s")
-        for s in range(steps):
-            r = rl_step(model, opt, prompts, rl.group_size, rl.max_new_tokens, seed=s)
-            r = {"kernel_set": ks, "step": s, **r, "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None}
-            log(json.dumps(r))
-            rows.append(r)
-        del model, opt
-        gc.collect()
-        if cuda:
-            torch.cuda.empty_cache()
-    keys = ["time/generation", "time/score", "time/train", "time/step"]
+        rows += (local_arm(cfg, ks, prompts, rl, steps, log) if engine == "harness"
+                 else vllm_arm(config, cfg, ks, ckpt, prompts, rl, steps, log))
+    keys = ["time/generation", "time/score", "time/train", "time/step"] + (["time/weight_sync"] if ckpt else [])
     med = {}
     for ks in sets:
         rs = [r for r in rows if r["kernel_set"] == ks]
+        if not rs:
+            continue
         med[ks] = {k: statistics.median(r[k] for r in rs) for k in keys}
-        rows.append({"kernel_set": ks, "step": "median", **med[ks]})
-    if set(sets) == {"isoexec", "native"}:
-        rows.append({"kernel_set": "isoexec/native", "step": "ratio",
+        rows.append({"kernel_set": ks, "engine": rs[0]["engine"], "step": "median", **med[ks]})
+    if set(med) == {"isoexec", "native"}:
+        rows.append({"kernel_set": "isoexec/native", "engine": engine, "step": "ratio",
                      **{k: med["isoexec"][k] / med["native"][k] for k in keys}})
         rows[-1]["time/policy_training"] = ((med["isoexec"]["time/score"] + med["isoexec"]["time/train"])
                                             / (med["native"]["time/score"] + med["native"]["time/train"]))
@@ -181,11 +306,8 @@ def run(config: str, out: str, steps: int = 2, prompt_len: int = 128,
     for r in rows:
         r["setup"] = note
     write_csv(out, rows)
-    from isoexec.io import atomic_write_text
-    from isoexec.provenance import provenance
-
     atomic_write_text(str(out).removesuffix(".csv") + ".provenance.json", json.dumps(
-        {"provenance": provenance(), "config": config, "steps": steps, "prompt_len": prompt_len,
+        {"provenance": provenance(), "config": config, "steps": steps, "prompt_len": prompt_len, "engine": engine,
          "device_name": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
          "kernels": cfg.kernels.model_dump(mode="json")}, indent=2, sort_keys=True, default=str) + "\n")
     return rows
@@ -199,5 +321,10 @@ if __name__ == "__main__":
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--sets", default="isoexec,native")
     p.add_argument("--new-tokens", type=int, default=None, help="override rl.max_new_tokens")
+    p.add_argument("--engine", default="harness", choices=("harness", "vllm"),
+                   help="generation through the unified model's own loop (harness) or through vLLM: vLLM native "
+                        "for the native set, vLLM with the isoexec plugin for isoexec (default: %(default)s)")
+    p.add_argument("--work", default="/tmp/isoexec-rl-step", help="folder for the checkpoint (--engine vllm)")
     a = p.parse_args()
-    run(a.config, a.out, a.steps, a.prompt_len, sets=tuple(a.sets.split(",")), new_tokens=a.new_tokens)
+    run(a.config, a.out, a.steps, a.prompt_len, sets=tuple(a.sets.split(",")), new_tokens=a.new_tokens,
+        engine=a.engine, work=a.work)

@@ -105,15 +105,21 @@ class Plan:
         self.log(json.dumps(kw, default=str))
 
     def engine_settings(self, mode: str, check: bool, max_seqs: int, max_len: int) -> dict[str, Any]:
-        """Scheduler settings of one engine (the same for both modes, but CUDA graphs: native only)."""
-        e = dict(max_num_seqs=max_seqs, max_model_len=max_len, enable_chunked_prefill=True,
-                 max_num_batched_tokens=256 if check else max(8192, max_len), enable_prefix_caching=False)
-        if check:  # about a sixth of the check's tokens fit in the KV blocks: preemption and recompute
-            e["num_kv_blocks_override"] = max(2 * max_len // 16, 1024 if self.cuda else 256)
-        if self.cuda:
-            e.update(gpu_memory_utilization=0.2 if check else 0.28, kv_cache_memory_bytes=(1 if check else 8) * 2**30,
-                     native_cuda_graphs=(mode == "native"), gdn_prefill_backend="triton")
-        return e
+        return engine_settings(self.cuda, mode, check, max_seqs, max_len)
+
+
+def engine_settings(cuda: bool, mode: str, check: bool, max_seqs: int, max_len: int, kv_gib: int = 8) -> dict[str, Any]:
+    """Scheduler settings of one engine, the same for both modes but CUDA graphs (vLLM's own: native only; the
+    plugin's decode graphs are on by default); ``check``: a 256-token budget and few KV blocks (preemption);
+    ``kv_gib``: vLLM's KV cache on the GPU."""
+    e = dict(max_num_seqs=max_seqs, max_model_len=max_len, enable_chunked_prefill=True,
+             max_num_batched_tokens=256 if check else max(8192, max_len), enable_prefix_caching=False)
+    if check:  # about a sixth of the check's tokens fit in the KV blocks: preemption and recompute
+        e["num_kv_blocks_override"] = max(2 * max_len // 16, 1024 if cuda else 256)
+    if cuda:
+        e.update(gpu_memory_utilization=0.2 if check else 0.28, kv_cache_memory_bytes=(1 if check else kv_gib) * 2**30,
+                 native_cuda_graphs=(mode == "native"), gdn_prefill_backend="triton")
+    return e
 
 
 def _write(plan: Plan, name: str, obj: Any) -> None:

@@ -96,14 +96,15 @@ class Worker:
 
 
 def serve(conn: Any, build: Callable[[], Any], handlers: dict[str, Callable[..., dict[str, Any]]]) -> None:
-    """The worker side: ``build()`` the object (its seconds reported as ``start_s``), then answer commands."""
+    """The worker side: ``build()`` the object (its seconds reported as ``start_s``, with the object's
+    ``start_report`` dict if it has one), then answer commands."""
     t0 = time.perf_counter()
     try:
         obj = build()
     except BaseException:  # noqa: BLE001 - reported to the driver, which raises it
         conn.send({"ok": False, "error": traceback.format_exc()})
         return
-    conn.send({"ok": True, "start_s": time.perf_counter() - t0, "pid": os.getpid()})
+    conn.send({"ok": True, "start_s": time.perf_counter() - t0, "pid": os.getpid(), **getattr(obj, "start_report", {})})
     while True:
         cmd, kw = conn.recv()
         if cmd == "quit":
@@ -179,6 +180,49 @@ def engine_main(conn: Any, checkpoint: str, mode: str, engine: dict[str, Any], k
 
     serve(conn, build, {"generate": _generate, "profile": _profile,
                         "cache_state": lambda eng: eng.cache_state() if eng.mode == "isoexec" else {}})
+
+
+def rl_arm_main(conn: Any, config: str, checkpoint: str, mode: str, engine: dict[str, Any]) -> None:
+    """Worker target: one arm of ``isoexec.bench.rl_step --engine vllm``, engine and trainer in this process: a
+    :class:`~isoexec.engines.vllm_engine.RolloutEngine` of ``mode`` (settings ``engine``; built first, while the
+    GPU's memory is free) and the unified model of ``mode``'s kernel set with :class:`~isoexec.trainer.optim.MasterAdamW`
+    (the config's ``rl`` settings), both from ``checkpoint``. Before the first step, what the two loaded is
+    compared (``weight_sync.check_weights_at_load``). Command: ``step`` (``rl_step.rl_step`` with the engine:
+    its row, plus the process's peak GPU memory in GiB).
+    """
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+    def build():
+        from types import SimpleNamespace
+
+        from isoexec.config import EngineSection, load_config
+        from isoexec.engines.vllm_engine import RolloutEngine
+        from isoexec.engines.weight_sync import check_weights_at_load, state_checksums
+        from isoexec.model import UnifiedModel
+        from isoexec.trainer.base import sync_state
+        from isoexec.trainer.optim import MasterAdamW
+
+        cfg = load_config(config)
+        t0 = time.perf_counter()
+        eng = RolloutEngine(checkpoint, mode, EngineSection(**engine), cfg.kernels, seed=0)
+        t1 = time.perf_counter()
+        model = UnifiedModel.from_pretrained(checkpoint, kernel_set=mode, kernels=cfg.kernels, device=cfg.device)
+        opt = MasterAdamW(model.named_parameters(), lr=cfg.rl.lr, max_grad_norm=cfg.rl.max_grad_norm)
+        at_load = check_weights_at_load(eng.load_checksums, state_checksums(sync_state(model)))
+        return SimpleNamespace(engine=eng, model=model, opt=opt, start_report={
+            "engine_start_s": t1 - t0, "trainer_load_s": time.perf_counter() - t1, "weights_at_load": at_load})
+
+    def step(arm: Any, prompts: list[list[int]], group: int, new_tokens: int, seed: int) -> dict[str, Any]:
+        from isoexec.bench.rl_step import rl_step
+
+        dev = arm.model.lm_head.weight.device
+        row = rl_step(arm.model, arm.opt, [torch.tensor(p, dtype=torch.long, device=dev) for p in prompts],
+                      group, new_tokens, seed, engine=arm.engine)
+        if torch.cuda.is_available():
+            row["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        return row
+
+    serve(conn, build, {"step": step})
 
 
 # ----------------------------------------------------------------------------------------- trainers
