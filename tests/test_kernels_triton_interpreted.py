@@ -85,6 +85,49 @@ def test_moe_expert_stacks_are_cached_per_layer_and_follow_in_place_updates():
     assert expert_stacks(layers[0]) is first[0]
 
 
+def test_unified_experts_are_rows_of_their_stacks_through_conversion_and_loading():
+    """``SparseMoE`` holds its expert weights as rows of three stacks: the grouped kernels read them with no copy (one
+    copy of the weights in memory), an in-place update of a weight is in the stack, and a conversion (``.to()``) or a
+    ``load_state_dict(assign=True)`` stacks again, keeping the Parameter objects and the values. A weight swapped in
+    another way is not a row (negative control): the kernels then get a copy."""
+    import torch
+
+    from isoexec.kernels.moe.triton import _STACK_CACHE, expert_stacks
+    from isoexec.model.layers import W
+
+    moe = _moe_probe().moe
+    params = [e.weights() for e in moe.experts]
+
+    def rows_of_stacks():
+        ew = moe.expert_weights()
+        st = getattr(ew, "stacks", None)
+        return st is not None and all(w[i].data_ptr() == st[i][e].data_ptr() and w[i] is params[e][i]
+                                      for e, w in enumerate(ew) for i in range(3))
+
+    assert rows_of_stacks()
+    cached = len(_STACK_CACHE)
+    ew = moe.expert_weights()
+    assert expert_stacks(ew) is ew.stacks and len(_STACK_CACHE) == cached  # no copy
+    stored = {w.untyped_storage().data_ptr() for ws in params for w in ws}
+    assert stored == {s.untyped_storage().data_ptr() for s in ew.stacks}  # one storage per stack, nothing else
+    with torch.no_grad():
+        params[3][2].add_(1.0)
+    assert torch.equal(ew.stacks[2][3], params[3][2])
+    before = [w.detach().clone() for ws in params for w in ws]
+    moe.to(torch.float64)
+    assert rows_of_stacks() and moe.expert_weights().stacks[0].dtype == torch.float64
+    assert all(torch.equal(a.double(), b) for a, b in zip(before, [w for ws in params for w in ws]))
+    sd = {k: torch.randn_like(v) for k, v in moe.state_dict().items()}
+    moe.load_state_dict(sd, assign=True)
+    params = [e.weights() for e in moe.experts]
+    assert rows_of_stacks() and torch.equal(moe.experts[1].up_proj.weight, sd["experts.1.up_proj.weight"])
+    moe.experts[0].gate_proj = W(*moe.experts[0].gate_proj.weight.shape)  # negative control: not a row
+    ew = moe.expert_weights()
+    assert getattr(ew, "stacks", None) is None
+    copies = expert_stacks(ew)
+    assert copies[0].data_ptr() != moe._stacks[0].data_ptr() and torch.equal(copies[1][2], params[2][1])
+
+
 def _moe_probe():
     import torch
 
@@ -142,13 +185,16 @@ def test_moe_expert_weight_list_is_reused_until_a_weight_parameter_is_replaced()
 
 
 def test_moe_expert_weight_list_goes_stale_without_the_counting_dicts_negative_control(monkeypatch):
-    """With the dicts' counting switched off the same replacements leave a stale list: the test above can fail."""
+    """With the dicts' counting switched off, the replacements only the dicts see (``functional_call``, a submodule
+    swap) leave a stale list: the test above can fail. ``load_state_dict(assign=True)`` and ``.to()`` stay fresh:
+    ``SparseMoE`` stacks its experts again after them and bumps the epoch itself."""
     from isoexec.model import layers
 
     probe = _moe_probe()
     monkeypatch.setattr(layers._EpochDict, "__setitem__", dict.__setitem__)
     ok = _replacements(probe)
-    assert not any(ok.values()), ok
+    assert ok == {"load_state_dict(assign=True)": True, "functional_call": False, "submodule swap": False,
+                  ".to() overwriting": True}, ok
 
 
 _CONV_CASE = r"""

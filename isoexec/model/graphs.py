@@ -22,7 +22,6 @@ Pad rows (up to the captured size) run on slot S and GDN dummy slots; no row's b
 
 from __future__ import annotations
 
-import operator
 import time
 import weakref
 
@@ -32,7 +31,6 @@ from isoexec.model.cache import SequenceCache
 from isoexec.model.layers import SlotBatch
 
 SLOT_REGIONS = ("attn.core", "gdn.conv1d", "gdn.core")
-_VERSION = operator.attrgetter("_version")
 
 
 def default_sizes(max_seqs: int) -> list[int]:
@@ -157,8 +155,8 @@ class DecodeGraphs:
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._mempool = None
         self._captured_on: tuple = ()
-        self._experts: tuple[int, list] = (-1, [])
-        self.stats = {"replays": 0, "captures": 0, "capture_s": 0.0, "weight_refreshes": 0, "chunk_completions": 0,
+        self._stacked_at: tuple[int, bool] = (-1, False)
+        self.stats = {"replays": 0, "captures": 0, "capture_s": 0.0, "chunk_completions": 0,
                       "eager_steps": 0, "unpooled_caches": 0, "pool_bytes": self.pools.nbytes(), "graph_pool_bytes": 0}
 
     # ------------------------------------------------------------------------------------ sequences
@@ -174,7 +172,7 @@ class DecodeGraphs:
         """Whether this step is a graph step: one token for each of at most ``max(sizes)`` pooled sequences past
         their prefill (every GDN layer's state present), none at its capacity."""
         ng, cap = len(self.gdn_layers), self.pools.capacity
-        ok = (len(caches) <= self.sizes[0] and all(n == 1 for n in lengths)
+        ok = (len(caches) <= self.sizes[0] and all(n == 1 for n in lengths) and self._stacked()
               and all(c.pools is self.pools and 0 < c.position < cap and len(c.gdn) == ng for c in caches))
         if not ok and all(n == 1 for n in lengths):
             self.stats["eager_steps"] += 1  # a decode step the graphs could not take (an unpooled or new sequence)
@@ -272,43 +270,40 @@ class DecodeGraphs:
 
     def _addresses(self) -> tuple:
         """What the captured graphs hold and could change: the GDN state pool's tensors (they move when the pool
-        grows), every parameter's storage, the MoE's expert weight stacks
-        (:func:`~isoexec.kernels.moe.triton.expert_stacks`, restacked in place after an in-place update), the
-        parameter epoch (:attr:`~isoexec.model.layers.W.epoch`) and the sum of the expert weights' versions (an
-        in-place update moves it)."""
-        from isoexec.kernels.moe.triton import expert_stacks
+        grows), every parameter's storage, the stacks the MoE experts' weights are rows of
+        (:class:`~isoexec.model.layers.ExpertWeights`) and the parameter epoch (:attr:`~isoexec.model.layers.W.epoch`).
+        An in-place update of a weight (a weight sync, ``load_state_dict``, an optimizer step) writes the storage
+        the graphs read: nothing to do."""
         from isoexec.model.layers import W
 
         params = tuple(p.data_ptr() for p in self.model.parameters())
-        stacks = tuple(s.data_ptr() for lay in self.model.model.layers for s in expert_stacks(lay.mlp.expert_weights()))
-        return self._pool_ptrs(), params, stacks, W.epoch, sum(map(_VERSION, self._expert_weights()))
+        stacks = tuple(s.data_ptr() for lay in self.model.model.layers for s in lay.mlp.expert_weights().stacks)
+        return self._pool_ptrs(), params, stacks, W.epoch
 
-    def _expert_weights(self) -> list[torch.Tensor]:
-        """Every expert weight of the model, one list while no parameter is replaced (:attr:`W.epoch`)."""
+    def _stacked(self) -> bool:
+        """Whether every layer's experts are rows of their stacks (checked once per :attr:`W.epoch`): a list of
+        weights would give the kernels copies, which an in-place update of a weight does not reach, so such a
+        model's steps run eagerly."""
         from isoexec.model.layers import W
 
-        if self._experts[0] != W.epoch:
-            self._experts = (W.epoch, [w for lay in self.model.model.layers for e in lay.mlp.expert_weights() for w in e])
-        return self._experts[1]
+        if self._stacked_at[0] != W.epoch:
+            ok = all(getattr(lay.mlp.expert_weights(), "stacks", None) is not None for lay in self.model.model.layers)
+            self._stacked_at = (W.epoch, ok)
+        return self._stacked_at[1]
 
     def _check_addresses(self) -> None:
-        """Before a replay: an in-place update of the weights (a weight sync) is restacked into the stacks the graphs
-        read; a storage that moved (a pool grown, a parameter replaced) drops every graph (captured again at the next
-        step). Per step it compares the pool's addresses, the parameter epoch (any replacement of a parameter or a
-        submodule anywhere in any model bumps it; then every parameter's storage is compared) and the expert weights'
-        versions' sum (when it moved: the restack, 0.45 ms a layer, :func:`~isoexec.kernels.moe.triton.expert_stacks`).
-        The sum costs O(layers x experts) a step: 2 ms under cProfile inside vLLM at h200-rlstep when its list was
-        rebuilt every step (``results/h200-vllm/7c241ee``), now one list per epoch."""
+        """Before a replay: a storage that moved (a pool grown, a parameter replaced or converted) drops every graph
+        (captured again at the next step). Per step it compares the pool's addresses and the parameter epoch (any
+        replacement of a parameter or a submodule anywhere in any model bumps it; then every parameter's storage
+        is compared)."""
         from isoexec.model.layers import W
 
         if not self._graphs:
             return
-        pool, _, _, epoch, versions = self._captured_on
-        if (self._pool_ptrs(), W.epoch, sum(map(_VERSION, self._expert_weights()))) == (pool, epoch, versions):
+        pool, _, _, epoch = self._captured_on
+        if (self._pool_ptrs(), W.epoch) == (pool, epoch):
             return
-        now = self._addresses()  # restacks in place where only the values changed
+        now = self._addresses()
         if now[:3] != self._captured_on[:3]:
             self._graphs.clear()
-        elif now[4] != versions:
-            self.stats["weight_refreshes"] += 1
         self._captured_on = now

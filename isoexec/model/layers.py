@@ -130,8 +130,31 @@ class Expert(nn.Module):
         return self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight
 
 
+def _stack_after_load(module: "SparseMoE", incompatible_keys) -> None:
+    module._stack_experts()
+
+
+class ExpertWeights(list):
+    """Per expert its (gate, up, down) weights (a list, what every ``moe.experts`` implementation takes), with
+    ``stacks``: the three ``[E, N, K]`` tensors whose rows the weights are views of (gate, up ``[E, I, H]``; down
+    ``[E, H, I]``), so a grouped kernel reads the parameters' own storage (no copy, and an in-place update of a
+    weight is in what it reads)."""
+
+    def __init__(self, weights, stacks: tuple[torch.Tensor, torch.Tensor, torch.Tensor]):
+        super().__init__(weights)
+        self.stacks = stacks
+
+
 class SparseMoE(nn.Module):
-    """``moe.router`` -> ``moe.experts`` -> ``mlp.shared_expert`` -> ``moe.combine``."""
+    """``moe.router`` -> ``moe.experts`` -> ``mlp.shared_expert`` -> ``moe.combine``.
+
+    The experts' weights are held as rows of three stacks (:class:`ExpertWeights`): one copy of the weights in
+    memory, in the layout the grouped kernels read, under the checkpoint's per-expert parameter names. A module
+    conversion (``.to()``, ``.cuda()``, ``.half()``: each parameter converted on its own) and a ``load_state_dict``
+    that replaces parameters (``assign=True``) are stacked again; a parameter replaced in another way (``setattr``,
+    ``torch.func.functional_call``) is not a row of the stacks, and :meth:`expert_weights` then gives a plain list
+    (the kernels stack a copy, as for any list of weights).
+    """
 
     def __init__(self, cfg):
         super().__init__()
@@ -144,13 +167,50 @@ class SparseMoE(nn.Module):
         # Qwen3.5 always renormalises the top-k weights (its config has no norm_topk_prob field)
         self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, getattr(cfg, "norm_topk_prob", True)
         self._expert_weights: tuple[int, list] = (-1, [])
+        self._stack_experts()
+        self.register_load_state_dict_post_hook(_stack_after_load)
+
+    def _stack_experts(self) -> None:
+        """Copy every expert weight into new stacks and make each weight Parameter (the same object) a view of its
+        row, unless they already are."""
+        ws = [e.weights() for e in self.experts]
+        if self._stacks_of(ws) is not None:
+            return
+        with torch.no_grad():
+            stacks = tuple(torch.stack([w[i].detach() for w in ws]) for i in range(3))
+            for e, w in enumerate(ws):
+                for i in range(3):
+                    w[i].data = stacks[i][e]
+        self._stacks = stacks
+        W.epoch += 1  # storages moved: lists and captured graphs built before are stale
+
+    def _stacks_of(self, ws) -> tuple | None:
+        """The stacks if every weight of ``ws`` is its expert's row of them, else None."""
+        stacks = getattr(self, "_stacks", None)
+        if stacks is None:
+            return None
+        for i, s in enumerate(stacks):
+            for e, w in enumerate(ws):
+                r = s[e]
+                if (w[i].data_ptr() != r.data_ptr() or w[i].shape != r.shape or w[i].dtype != r.dtype
+                        or w[i].device != r.device or w[i].stride() != r.stride()):
+                    return None
+        return stacks
+
+    def _apply(self, fn, recurse=True):
+        out = super()._apply(fn, recurse)
+        self._stacks = None  # each weight was converted on its own: stack them again
+        self._stack_experts()
+        return out
 
     def expert_weights(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """Per expert its (gate, up, down) weights: one list, rebuilt only when some weight Parameter or expert
-        submodule was replaced (:attr:`W.epoch`); walking 3E submodule attributes every call cost a millisecond a
-        layer at 256 experts."""
+        """Per expert its (gate, up, down) weights: an :class:`ExpertWeights` while they are rows of the stacks
+        (else a plain list), rebuilt only when some weight Parameter or expert submodule was replaced
+        (:attr:`W.epoch`); walking 3E submodule attributes every call cost a millisecond a layer at 256 experts."""
         if self._expert_weights[0] != W.epoch:
-            self._expert_weights = (W.epoch, [e.weights() for e in self.experts])
+            ws = [e.weights() for e in self.experts]
+            stacks = self._stacks_of(ws)
+            self._expert_weights = (W.epoch, ws if stacks is None else ExpertWeights(ws, stacks))
         return self._expert_weights[1]
 
     def forward(self, ks: KernelSet, x):

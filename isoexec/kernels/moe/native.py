@@ -39,11 +39,15 @@ _STACKS: dict = {}
 
 
 def _stack(experts, which: int, dtype) -> torch.Tensor:
-    """``[E, ...]`` stack of one expert weight; without autograd cached while the weights are unchanged
-    (transformers keeps the experts fused; the per-expert parameters here are its on-disk layout)."""
+    """``[E, ...]`` stack of one expert weight; without autograd the stack the weights are rows of
+    (:class:`~isoexec.model.layers.ExpertWeights`), else a copy cached while the weights are unchanged (transformers
+    keeps the experts fused; the per-expert parameters here are its on-disk layout)."""
     ws = [e[which] for e in experts]
     if torch.is_grad_enabled() and any(w.requires_grad for w in ws):
         return torch.stack(ws).to(dtype)
+    stacks = getattr(experts, "stacks", None)  # the unified model's experts are rows of their stacks
+    if stacks is not None:
+        return stacks[which].to(dtype)
     key = (which, tuple((w.data_ptr(), w._version) for w in ws))
     hit = _STACKS.get(which)
     if hit is None or hit[0] != key:

@@ -31,14 +31,18 @@ version of every expert weight in order, the three ``[E, N, K]`` stacks)."""
 
 
 def expert_stacks(experts) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The ``[E, N, K]`` stacks of one layer's expert weights (gate, up, down), cached per layer while every weight
-    is the same tensor (storage address); an in-place update of any of them (a weight sync, ``load_state_dict``, an
-    optimizer step: their version counters move) restacks into the same stack tensors, so a captured CUDA graph
-    (:mod:`isoexec.model.graphs`) reads the new values; a weight at another address gives new stacks. An entry goes
-    when its model does. A write through ``.data`` bypasses the version counter and is not seen (no isoexec path
-    writes so). The key is two flat lists over the layer's 3E tensors: at 256 experts the check took 0.45 ms a call
-    on the H200 host of ``results/h200-vllm/08dd807`` (cProfile), O(E) every call; expert weights held as views of
-    one stack would need no check."""
+    """The ``[E, N, K]`` stacks of one layer's expert weights (gate, up, down).
+
+    The unified model's experts are rows of their stacks (:class:`~isoexec.model.layers.ExpertWeights`): those
+    stacks, no copy. Any other list of weights (a test's, a trainer's own modules) gets copies, cached per layer
+    while every weight is the same tensor (storage address); an in-place update of any of them (its version counter
+    moves) restacks into the same stack tensors; a weight at another address gives new stacks. An entry goes when its
+    model does. A write through ``.data`` bypasses the version counter and is not seen (no isoexec path writes so).
+    The key is two flat lists over the layer's 3E tensors: at 256 experts the check took 0.45 ms a call on the H200
+    host of ``results/h200-vllm/08dd807`` (cProfile), O(E) every call."""
+    stacks = getattr(experts, "stacks", None)
+    if stacks is not None:
+        return stacks
     flat = [w for e in experts for w in e]
     ptrs, versions = list(map(torch.Tensor.data_ptr, flat)), [w._version for w in flat]
     hit = _STACK_CACHE.get(id(flat[0]))
@@ -76,7 +80,9 @@ def experts(x, ids, expert_weights, cfg, leaves: int) -> torch.Tensor:
     def unflat(f):
         return [tuple(f[3 * i : 3 * i + 3]) for i in range(ne)]
 
-    return with_ref_grad(lambda xx, *f: _experts(xx, ids, unflat(f), cfg, leaves),
+    # the forward reads the stacks the weights are rows of (the same values), else copies of the inputs
+    stacked = getattr(expert_weights, "stacks", None) is not None
+    return with_ref_grad(lambda xx, *f: _experts(xx, ids, expert_weights if stacked else unflat(f), cfg, leaves),
                          lambda xx, *f: experts_reference(xx, ids, unflat(f)), x, *flat_w)
 
 
