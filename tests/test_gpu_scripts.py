@@ -51,3 +51,12 @@ def test_site_parts_too_large_to_travel_beside_the_repository_are_refused(tmp_pa
     assert r.returncode == 2 and "whole number" in r.stdout
     r = site("40", "nothing")  # the default part size
     assert r.returncode == 2 and r.stdout.strip() == "gpu_site: WHAT must be all, site or rl, got nothing"
+
+
+def test_vllm_job_outside_gpu_node_start_is_refused_in_one_line():
+    """``gpu_vllm_job.sh`` writes into the job folder that ``gpu_node.sh start`` gives it; run bare it stops at once."""
+    env = {k: v for k, v in os.environ.items() if k != "JOB_OUT"}
+    r = subprocess.run(["bash", str(ROOT / "workflow" / "scripts" / "gpu_vllm_job.sh")], capture_output=True, text=True,
+                       cwd=ROOT, env=env, timeout=60)
+    assert r.returncode != 0 and "run through gpu_node.sh start (JOB_OUT)" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# The vLLM-on-GPU job of results/h200-vllm/, on a node whose stack gpu_node.sh installed:
+#   bash workflow/scripts/gpu_node.sh start bash workflow/scripts/gpu_vllm_job.sh
+# 1. GPU tests of the decode graphs and the Triton kernels            -> $JOB_OUT/gpu_tests.log
+# 2. isoexec.bench.vllm_gpu: engine start, generation cost against vLLM native, rollout check, profile
+#                                                                      -> $JOB_OUT/<config name>/, vllm_gpu.log
+# 3. isoexec.bench.rl_step --engine vllm: one RL step per arm, vLLM native vs vLLM + plugin
+#                                                                      -> $JOB_OUT/rl_step.csv, rl_step.log
+# and nvidia-smi's utilisation every 5 s (gpu_util.csv). Settings: CONFIG (experiments/h200-rlstep.yaml), GEN (the
+# generation shapes), DEADLINE (vllm_gpu's --deadline-s), T_TESTS / T_VLLM / T_RLSTEP (time limits, s). Exit status:
+# the last failing stage's; every stage runs whatever the others did.
+set -uo pipefail
+O=${JOB_OUT:?run through gpu_node.sh start (JOB_OUT)}
+CONFIG=${CONFIG:-experiments/h200-rlstep.yaml}
+NAME=$(basename "$CONFIG" .yaml)
+s=0
+nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used --format=csv -l 5 > "$O/gpu_util.csv" 2>/dev/null &
+timeout "${T_TESTS:-220}" python3 -m pytest -q -p no:cacheprovider tests/test_decode_graphs.py tests/test_kernels_triton.py \
+  > "$O/gpu_tests.log" 2>&1 || s=$?
+tail -n 3 "$O/gpu_tests.log"
+timeout "${T_VLLM:-780}" python3 -m isoexec.bench.vllm_gpu --config "$CONFIG" --out-dir "$O/$NAME" \
+  --gen "${GEN:-32x128+128,256x128+512,32x128+1024}" --deadline-s "${DEADLINE:-540}" > "$O/vllm_gpu.log" 2>&1 || s=$?
+grep -o '"stage": "[a-z_]*"' "$O/vllm_gpu.log" | sort | uniq -c
+# the same --work as vllm_gpu's default: the random checkpoint is made once
+timeout "${T_RLSTEP:-840}" python3 -m isoexec.bench.rl_step --config "$CONFIG" --engine vllm --out "$O/rl_step.csv" \
+  --work /tmp/isoexec-vllm-gpu > "$O/rl_step.log" 2>&1 || s=$?
+grep '^{' "$O/rl_step.log" | cut -c1-300
+kill %1 2>/dev/null
+exit $s
