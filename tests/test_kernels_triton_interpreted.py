@@ -90,6 +90,8 @@ def test_unified_experts_are_rows_of_their_stacks_through_conversion_and_loading
     copy of the weights in memory), an in-place update of a weight is in the stack, and a conversion (``.to()``) or a
     ``load_state_dict(assign=True)`` stacks again, keeping the Parameter objects and the values. A weight swapped in
     another way is not a row (negative control): the kernels then get a copy."""
+    import copy
+
     import torch
 
     from isoexec.kernels.moe.triton import _STACK_CACHE, expert_stacks
@@ -121,7 +123,26 @@ def test_unified_experts_are_rows_of_their_stacks_through_conversion_and_loading
     moe.load_state_dict(sd, assign=True)
     params = [e.weights() for e in moe.experts]
     assert rows_of_stacks() and torch.equal(moe.experts[1].up_proj.weight, sd["experts.1.up_proj.weight"])
+    kept = moe.expert_weights().stacks
+    moe.to(torch.float64)  # a conversion that converts nothing keeps the stacks
+    assert rows_of_stacks() and moe.expert_weights().stacks[0].data_ptr() == kept[0].data_ptr()
+    twin = copy.deepcopy(moe)  # a copy holds its own rows and stacks
+    tw = twin.expert_weights()
+    assert tw.stacks[0].data_ptr() != kept[0].data_ptr()
+    assert all(w[i].data_ptr() == tw.stacks[i][e].data_ptr() for e, w in enumerate(tw) for i in range(3))
+    moe.experts.to(torch.float32)  # negative control: a conversion below the layer leaves weights that are not rows
+    assert getattr(moe.expert_weights(), "stacks", None) is None
+    moe.to(torch.float64)  # converted through the layer: rows again
+    params = [e.weights() for e in moe.experts]
+    assert rows_of_stacks()
+    one = {"experts.0.gate_proj.weight": torch.zeros_like(params[0][0], dtype=torch.float32)}
+    moe.load_state_dict(one, strict=False, assign=True)  # another dtype for one weight: no silent cast of the rest
+    assert getattr(moe.expert_weights(), "stacks", None) is None and params[1][0].dtype == torch.float64
     moe.experts[0].gate_proj = W(*moe.experts[0].gate_proj.weight.shape)  # negative control: not a row
+    moe.to(torch.float64)
+    params = [e.weights() for e in moe.experts]
+    assert rows_of_stacks()
+    moe.experts[0].gate_proj = W(*moe.experts[0].gate_proj.weight.shape)
     ew = moe.expert_weights()
     assert getattr(ew, "stacks", None) is None
     copies = expert_stacks(ew)

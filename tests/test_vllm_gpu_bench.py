@@ -162,7 +162,9 @@ def test_rl_step_with_vllm_engines_isoexec_bitwise_across_weight_syncs_native_no
         assert float(iso["time/weight_sync"]) > 0
     assert steps[("isoexec/native", "ratio")]["time/generation"]
     prov = json.loads((tmp_path / "rl_step.provenance.json").read_text())
-    assert prov["engine"] == "vllm"
+    assert prov["engine"] == "vllm" and set(prov["arms"]) == {"isoexec", "native"}
+    for arm in prov["arms"].values():  # what each side loaded, compared before the first step
+        assert "failed" not in arm and arm["weights_at_load"]["engine"] == arm["weights_at_load"]["trainer"]
 
 
 def test_rl_step_refuses_an_unknown_engine():
@@ -170,3 +172,27 @@ def test_rl_step_refuses_an_unknown_engine():
 
     with pytest.raises(ValueError, match="'sglang'"):
         run("experiments/ci-tiny.yaml", "/tmp/unused.csv", engine="sglang")
+
+
+def test_rl_step_keeps_one_arms_rows_when_the_other_fails(tmp_path, monkeypatch):
+    """The CSV and provenance are written after every arm: an arm that fails (here isoexec, first) leaves its reason in
+    the provenance, and the other arm's rows and median are still written (no ratio without both)."""
+    import csv
+
+    from isoexec.bench import rl_step, vllm_gpu
+
+    def fake_arm(config, cfg, ks, ckpt, prompts, rl, steps, log):
+        if ks == "isoexec":
+            return [], {"failed": "WorkerError: out of memory"}
+        times = {"time/generation": 1.0, "time/score": 0.5, "time/train": 2.0, "time/weight_sync": 3.0, "time/step": 6.5}
+        return [{"kernel_set": ks, "engine": "vllm-native", "step": s, **times} for s in range(steps)], {}
+
+    monkeypatch.setattr(rl_step, "vllm_arm", fake_arm)
+    monkeypatch.setattr(vllm_gpu, "make_checkpoint", lambda cfg, folder: folder)
+    out = tmp_path / "rl_step.csv"
+    rl_step.run("experiments/ci-tiny.yaml", str(out), steps=2, engine="vllm", work=str(tmp_path / "w"), log=lambda *a: None)
+    rows = list(csv.DictReader(open(out)))
+    assert [(r["kernel_set"], r["step"]) for r in rows] == [("native", "0"), ("native", "1"), ("native", "median")]
+    assert rows[-1]["time/step"] == "6.5"
+    prov = json.loads((tmp_path / "rl_step.provenance.json").read_text())
+    assert prov["arms"]["isoexec"]["failed"] == "WorkerError: out of memory"

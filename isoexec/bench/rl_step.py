@@ -11,8 +11,10 @@ Two engines (``--engine``):
   with vLLM and the isoexec plugin (its decode CUDA graphs on) and trains with the Triton set. Both load one random
   checkpoint (:func:`isoexec.bench.vllm_gpu.make_checkpoint`) and compare what they loaded before the first step;
   after each update the weights go to the engine through ``RolloutEngine.sync_weights`` (the checked path: contract
-  handshake, transfer, checksums on both sides; ``time/weight_sync``, reported beside ``time/step``). This is the
-  generation ratio to compare with a production engine.
+  handshake, transfer, checksums on both sides; ``time/weight_sync``). This is the generation ratio to compare with
+  a production engine. The two syncs are the checked paths, not a production transfer, and not the same work:
+  native's reloads through vLLM and compares what the forward reads with a second model vLLM builds from the same
+  tensors; isoexec's copies in place and compares checksums.
 - ``harness``: generation through the unified model's own ``engine_step`` loop with either kernel set. Its
   "native" is that loop with stock kernels, not vLLM: its generation ratio says how the Triton set compares with
   stock kernels in this loop, not how IsoExec compares with a production engine.
@@ -24,7 +26,8 @@ ids in the response) and the pre-update ``trainer_score`` logprobs of the respon
 ``logprob_abs_diff_*`` / ``mismatch_count`` compare those trainer logprobs with the engine's logprobs of the
 sampled tokens (docs/design.md, Metrics); ``time/train`` — GRPO (group-normalised advantages, token-level clipped
 ratio loss) forward + backward over the same sequences in micro-batches of ``G`` sequences and one
-:class:`~isoexec.trainer.optim.MasterAdamW` step; ``time/step`` — the sum of the three. Both arms start from the
+:class:`~isoexec.trainer.optim.MasterAdamW` step; ``time/step`` — the sum of the phases (with vLLM the weight sync
+included, as in :func:`isoexec.rl.loop.rl_step`). Both arms start from the
 same random weights (seed 0) and the same prompts and sampling seeds; the arms run one after the other (one arm's
 model, optimizer and engine in memory at a time), each with one untimed warm-up step of the same shapes
 (compilation, autotuning, graph capture), then ``--steps`` timed steps.
@@ -107,7 +110,7 @@ def generate_engine(eng, prompts: list[torch.Tensor], group: int, new_tokens: in
         RuntimeError: a response of another length than ``new_tokens``.
     """
     groups = eng.generate([p.tolist() for p in prompts], n=group, max_tokens=new_tokens, seed=seed, ignore_eos=True,
-                          **({"temperature": float(eng.kernels.temperature)} if eng.mode == "isoexec" else {}))
+                          temperature=float(eng.kernels.temperature))  # the trainers' temperature, both modes
     comps = [c for g in groups for c in g]
     bad = [len(c.token_ids) for c in comps if len(c.token_ids) != new_tokens]
     if bad:
@@ -174,8 +177,8 @@ def rl_step(model, opt, prompts: list[torch.Tensor], group: int, new_tokens: int
             engine=None) -> dict:
     """One step: :func:`generate_local` (``engine`` None) or :func:`generate_engine`, then :func:`policy_update`, and
     with an engine the weight sync (``RolloutEngine.sync_weights``, its checked path: contract handshake, transfer,
-    checksums on both sides). Returns the phase times (s) and the step's numbers; ``time/step`` is generation +
-    score + train (``time/weight_sync`` beside it)."""
+    checksums on both sides). Returns the phase times (s) and the step's numbers; ``time/step`` is their sum, as in
+    :func:`isoexec.rl.loop.rl_step`."""
     from isoexec.trainer.base import sync_state
 
     t0 = _sync_time()
@@ -185,11 +188,11 @@ def rl_step(model, opt, prompts: list[torch.Tensor], group: int, new_tokens: int
         chunks, resp, roll = generate_engine(engine, prompts, group, new_tokens, seed, model.lm_head.weight.device)
     t1 = _sync_time()
     row = {"time/generation": t1 - t0, **policy_update(model, opt, chunks, resp, roll, group, clip)}
-    row["time/step"] = row["time/generation"] + row["time/score"] + row["time/train"]
     if engine is not None:
         t2 = _sync_time()
         engine.sync_weights(sync_state(model), model.contract() if engine.mode == "isoexec" else None)
         row["time/weight_sync"] = _sync_time() - t2
+    row["time/step"] = sum(row[k] for k in ("time/generation", "time/score", "time/train", "time/weight_sync") if k in row)
     return row
 
 
@@ -224,7 +227,12 @@ def vllm_arm(config: str, cfg, kernel_set: str, checkpoint: str, prompts: list[t
     """One kernel set with vLLM as the engine: vLLM native (its own Qwen3-Next at its best settings, torch.compile
     and CUDA graphs) for ``native``, vLLM with the isoexec plugin for ``isoexec``, and the unified model of that
     kernel set as the trainer, both loaded from ``checkpoint`` in one worker process
-    (:func:`isoexec.bench.workers.rl_arm_main`); an untimed warm-up step, then ``steps`` timed rows."""
+    (:func:`isoexec.bench.workers.rl_arm_main`); an untimed warm-up step, then ``steps`` timed rows.
+
+    Returns:
+        ``(rows, arm)``: the timed rows, and the arm's engine settings, start report (engine start, trainer load, the
+        weights both sides loaded) and, if it failed, why (its rows so far are kept).
+    """
     from isoexec.bench.vllm_gpu import engine_settings
     from isoexec.bench.workers import Worker, WorkerError, rl_arm_main
 
@@ -232,9 +240,10 @@ def vllm_arm(config: str, cfg, kernel_set: str, checkpoint: str, prompts: list[t
     settings = engine_settings(cfg.device == "cuda", kernel_set, False, B, len(prompts[0]) + rl.max_new_tokens + 64,
                                kv_gib=2)
     w = Worker(f"rl-{kernel_set}", rl_arm_main, config, checkpoint, kernel_set, settings)
-    rows = []
+    rows, arm = [], {"engine_settings": settings}
     try:
         info = w.ready(1800)
+        arm.update(info)
         log(json.dumps({"arm": kernel_set, "engine_settings": settings, **info}))
         plist = [p.tolist() for p in prompts]
         for s in [1000, *range(steps)]:
@@ -243,11 +252,12 @@ def vllm_arm(config: str, cfg, kernel_set: str, checkpoint: str, prompts: list[t
             if s != 1000:
                 rows.append({"kernel_set": kernel_set, "engine": f"vllm-{kernel_set}", "step": s, **r,
                              "engine_start_s": info["engine_start_s"]})
-    except WorkerError as e:  # the other arm still runs; the CSV keeps what this one measured
-        log(json.dumps({"arm": kernel_set, "failed": str(e)[-4000:]}))
+    except (WorkerError, OSError, EOFError) as e:  # the other arm still runs; the CSV keeps what this one measured
+        arm["failed"] = f"{type(e).__name__}: {str(e)[-4000:]}"
+        log(json.dumps({"arm": kernel_set, "failed": arm["failed"]}))
     finally:
         w.close()
-    return rows
+    return rows, arm
 
 
 def run(config: str, out: str, steps: int = 2, prompt_len: int = 128,
@@ -255,7 +265,8 @@ def run(config: str, out: str, steps: int = 2, prompt_len: int = 128,
         work: str = "/tmp/isoexec-rl-step", log=print) -> list[dict]:
     """Both kernel sets, one after the other, on the harness (``engine="harness"``: the unified model's own
     generation loop in both) or with vLLM as the engine (``engine="vllm"``: :func:`vllm_arm`; the random checkpoint
-    of :func:`isoexec.bench.vllm_gpu.make_checkpoint` in ``work``); writes the CSV and returns its rows.
+    of :func:`isoexec.bench.vllm_gpu.make_checkpoint` in ``work``); writes the CSV and its provenance after every arm
+(an arm that fails keeps the other's rows) and returns the CSV's rows.
     ``new_tokens`` overrides ``rl.max_new_tokens`` (a shorter smoke run).
 
     Raises:
@@ -282,35 +293,43 @@ def run(config: str, out: str, steps: int = 2, prompt_len: int = 128,
 
         Path(work).mkdir(parents=True, exist_ok=True)
         ckpt = str(make_checkpoint(cfg, Path(work) / f"{cfg.name}-checkpoint"))
-    rows = []
+    rows, arms = [], {}
     for ks in sets:
-        rows += (local_arm(cfg, ks, prompts, rl, steps, log) if engine == "harness"
-                 else vllm_arm(config, cfg, ks, ckpt, prompts, rl, steps, log))
-    keys = ["time/generation", "time/score", "time/train", "time/step"] + (["time/weight_sync"] if ckpt else [])
-    med = {}
+        if engine == "harness":
+            rows += local_arm(cfg, ks, prompts, rl, steps, log)
+        else:
+            got, arms[ks] = vllm_arm(config, cfg, ks, ckpt, prompts, rl, steps, log)
+            rows += got
+        table = summarize(rows, sets, engine, ckpt is not None, cfg, rl, prompt_len)  # written after every arm
+        write_csv(out, table)
+        atomic_write_text(str(out).removesuffix(".csv") + ".provenance.json", json.dumps(
+            {"provenance": provenance(), "config": config, "steps": steps, "prompt_len": prompt_len, "engine": engine,
+             "arms": arms, "device_name": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+             "kernels": cfg.kernels.model_dump(mode="json")}, indent=2, sort_keys=True, default=str) + "\n")
+    return table
+
+
+def summarize(rows: list[dict], sets, engine: str, synced: bool, cfg, rl, prompt_len: int) -> list[dict]:
+    """The CSV's rows: ``rows`` (one per arm and timed step), a ``median`` row per arm and, with both arms, the ratios
+    isoexec / native; every row with the setup in words."""
+    keys = ["time/generation", "time/score", "time/train"] + (["time/weight_sync"] if synced else []) + ["time/step"]
+    table, med = list(rows), {}
     for ks in sets:
         rs = [r for r in rows if r["kernel_set"] == ks]
         if not rs:
             continue
         med[ks] = {k: statistics.median(r[k] for r in rs) for k in keys}
-        rows.append({"kernel_set": ks, "engine": rs[0]["engine"], "step": "median", **med[ks]})
+        table.append({"kernel_set": ks, "engine": rs[0]["engine"], "step": "median", **med[ks]})
     if set(med) == {"isoexec", "native"}:
-        rows.append({"kernel_set": "isoexec/native", "engine": engine, "step": "ratio",
-                     **{k: med["isoexec"][k] / med["native"][k] for k in keys}})
-        rows[-1]["time/policy_training"] = ((med["isoexec"]["time/score"] + med["isoexec"]["time/train"])
-                                            / (med["native"]["time/score"] + med["native"]["time/train"]))
+        table.append({"kernel_set": "isoexec/native", "engine": engine, "step": "ratio",
+                      **{k: med["isoexec"][k] / med["native"][k] for k in keys}})
+        table[-1]["time/policy_training"] = ((med["isoexec"]["time/score"] + med["isoexec"]["time/train"])
+                                             / (med["native"]["time/score"] + med["native"]["time/train"]))
     m = cfg.model
     note = (f"{m.num_hidden_layers} layers (hidden {m.hidden_size}, {m.num_experts} experts top-{m.num_experts_per_tok}, "
             f"vocab {m.vocab_size}); {rl.prompts_per_step} prompts x {rl.group_size} samples, prompt {prompt_len}, "
             f"{rl.max_new_tokens} new tokens")
-    for r in rows:
-        r["setup"] = note
-    write_csv(out, rows)
-    atomic_write_text(str(out).removesuffix(".csv") + ".provenance.json", json.dumps(
-        {"provenance": provenance(), "config": config, "steps": steps, "prompt_len": prompt_len, "engine": engine,
-         "device_name": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
-         "kernels": cfg.kernels.model_dump(mode="json")}, indent=2, sort_keys=True, default=str) + "\n")
-    return rows
+    return [{**r, "setup": note} for r in table]
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ Every file is written as soon as its stage ends, with ``provenance.json`` beside
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -78,6 +79,9 @@ def make_checkpoint(cfg: Any, folder: Path) -> Path:
     model = build_model(cfg, "isoexec").to("cpu")
     model.save_pretrained(folder)
     del model
+    if torch.cuda.is_available():  # the engines and trainers of the run need this process's cached blocks
+        gc.collect()
+        torch.cuda.empty_cache()
     return folder
 
 

@@ -59,6 +59,11 @@ class W(nn.Module):
         count_changes(self, "_parameters")
         self.weight = nn.Parameter(torch.zeros(*shape))
 
+    def _apply(self, fn, recurse=True):
+        out = super()._apply(fn, recurse)
+        W.epoch += 1  # a conversion sets the weight's ``.data`` (no dict change): lists built before are stale
+        return out
+
 
 class Batch:
     """Row bookkeeping of one forward: which of the N rows belong to which sequence piece.
@@ -138,7 +143,8 @@ class ExpertWeights(list):
     """Per expert its (gate, up, down) weights (a list, what every ``moe.experts`` implementation takes), with
     ``stacks``: the three ``[E, N, K]`` tensors whose rows the weights are views of (gate, up ``[E, I, H]``; down
     ``[E, H, I]``), so a grouped kernel reads the parameters' own storage (no copy, and an in-place update of a
-    weight is in what it reads)."""
+    weight is in what it reads). The stacks are for reading: write through the parameters (each keeps its own
+    version counter, which the engine's weight checks read)."""
 
     def __init__(self, weights, stacks: tuple[torch.Tensor, torch.Tensor, torch.Tensor]):
         super().__init__(weights)
@@ -149,11 +155,14 @@ class SparseMoE(nn.Module):
     """``moe.router`` -> ``moe.experts`` -> ``mlp.shared_expert`` -> ``moe.combine``.
 
     The experts' weights are held as rows of three stacks (:class:`ExpertWeights`): one copy of the weights in
-    memory, in the layout the grouped kernels read, under the checkpoint's per-expert parameter names. A module
-    conversion (``.to()``, ``.cuda()``, ``.half()``: each parameter converted on its own) and a ``load_state_dict``
-    that replaces parameters (``assign=True``) are stacked again; a parameter replaced in another way (``setattr``,
-    ``torch.func.functional_call``) is not a row of the stacks, and :meth:`expert_weights` then gives a plain list
-    (the kernels stack a copy, as for any list of weights).
+    memory, in the layout the grouped kernels read, under the checkpoint's per-expert parameter names. A conversion
+    of this module or one above it (``.to()``, ``.cuda()``, ``.half()``: each parameter converted on its own), a
+    ``load_state_dict`` that replaces parameters (``assign=True``) and a copy (``copy.deepcopy``, unpickling) are
+    stacked again. A parameter replaced or converted in another way (``setattr``, ``torch.func.functional_call``, a
+    conversion of one expert or of the expert list) is not a row of the stacks: :meth:`expert_weights` then gives a
+    plain list (the kernels stack a copy, as for any list of weights; the decode graphs step eagerly). A write
+    through a parameter's ``.data`` (``p.data = t``, ``vector_to_parameters``) is not seen: unsupported, as for
+    every cached derivative of a weight.
     """
 
     def __init__(self, cfg):
@@ -172,9 +181,14 @@ class SparseMoE(nn.Module):
 
     def _stack_experts(self) -> None:
         """Copy every expert weight into new stacks and make each weight Parameter (the same object) a view of its
-        row, unless they already are."""
+        row, unless they already are; weights of one kind that differ in dtype, device or shape (a partial
+        ``load_state_dict(assign=True)`` of another dtype) are left as they are (no silent cast): the kernels then
+        get a list."""
         ws = [e.weights() for e in self.experts]
         if self._stacks_of(ws) is not None:
+            return
+        self._stacks, self._expert_weights = None, (-1, [])
+        if any(len({(w[i].dtype, w[i].device, w[i].shape) for w in ws}) > 1 for i in range(3)):
             return
         with torch.no_grad():
             stacks = tuple(torch.stack([w[i].detach() for w in ws]) for i in range(3))
@@ -199,9 +213,13 @@ class SparseMoE(nn.Module):
 
     def _apply(self, fn, recurse=True):
         out = super()._apply(fn, recurse)
-        self._stacks = None  # each weight was converted on its own: stack them again
-        self._stack_experts()
+        self._stack_experts()  # each weight was converted on its own (a no-op conversion keeps the stacks)
         return out
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self._stacks = None  # a copy (``copy.deepcopy``, unpickling) holds its weights and stacks apart
+        self._stack_experts()
 
     def expert_weights(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """Per expert its (gate, up, down) weights: an :class:`ExpertWeights` while they are rows of the stacks

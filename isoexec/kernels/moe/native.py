@@ -39,9 +39,10 @@ _STACKS: dict = {}
 
 
 def _stack(experts, which: int, dtype) -> torch.Tensor:
-    """``[E, ...]`` stack of one expert weight; without autograd the stack the weights are rows of
-    (:class:`~isoexec.model.layers.ExpertWeights`), else a copy cached while the weights are unchanged (transformers
-    keeps the experts fused; the per-expert parameters here are its on-disk layout)."""
+    """``[E, ...]`` stack of one expert weight (transformers keeps the experts fused; the per-expert parameters here
+    are its on-disk layout): under autograd a fresh stack (the gradient flows to the parameters); without, the stack
+    the weights are rows of (:class:`~isoexec.model.layers.ExpertWeights`), else a copy cached while the weights are
+    unchanged."""
     ws = [e[which] for e in experts]
     if torch.is_grad_enabled() and any(w.requires_grad for w in ws):
         return torch.stack(ws).to(dtype)
