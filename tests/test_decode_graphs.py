@@ -19,14 +19,17 @@ def _model(kernel_set="isoexec", device="cpu"):
 
 def _script(seed=0, lens=(3, 17, 30, 9, 1), steps=40):
     """Prompts and the decode tokens fed to every run (teacher forcing: the same inputs, whatever the bits); the
-    last column is a joining sequence's."""
+    last two columns are the joining sequences'."""
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, V, (n,), generator=g) for n in lens], torch.randint(0, V, (steps, len(lens) + 1), generator=g)
+    return [torch.randint(0, V, (n,), generator=g) for n in lens], torch.randint(0, V, (steps, len(lens) + 2), generator=g)
 
 
-def _decode(model, prompts, tokens, make_cache, join_at=None, leave_at=None, update_at=None):
+def _decode(model, prompts, tokens, make_cache, join_at=None, leave_at=None, update_at=None, rejoin_at=None,
+            record=None):
     """Prefill, then one row per sequence per step; a sequence joins (its prefill beside the decodes) at step
-    ``join_at``, the first two leave at ``leave_at``, expert 0 of layer 0 is scaled in place at ``update_at``."""
+    ``join_at``, the first two leave at ``leave_at`` (their caches dropped: pooled ones give their slots back),
+    another joins at ``rejoin_at``, expert 0 of layer 0 is scaled in place at ``update_at``. ``record``: a dict that
+    gets the dropped caches' slots (``freed``) and the rejoining cache's (``rejoined``)."""
     caches = [make_cache() for _ in prompts]
     first = [torch.cat(model.engine_step(caches, prompts, last_only=True))]
     live = list(range(len(prompts)))
@@ -38,7 +41,17 @@ def _decode(model, prompts, tokens, make_cache, join_at=None, leave_at=None, upd
             chunks.append(torch.arange(5) % V)
             live.append(len(caches) - 1)
         if step == leave_at:
+            if record is not None:
+                record["freed"] = [getattr(caches[i], "slot", None) for i in live[:2]]
+            for i in live[:2]:
+                caches[i] = None
             live, chunks = live[2:], chunks[2:]
+        if step == rejoin_at:
+            caches.append(make_cache())
+            if record is not None:
+                record["rejoined"] = getattr(caches[-1], "slot", None)
+            chunks.append((torch.arange(7) * 3) % V)
+            live.append(len(caches) - 1)
         if step == update_at:
             with torch.no_grad():
                 model.model.layers[0].mlp.experts[0].down_proj.weight.mul_(1.5)
@@ -71,6 +84,21 @@ def test_pooled_caches_give_the_bits_of_caches_of_their_own():
     k, _ = pools.kv_pools(3)
     assert k[0, : len(prompts[0])].abs().sum() > 0  # the slots hold the keys (not a silent fallback)
     assert pools.conv_pool(0)[1].abs().sum() > 0
+
+
+def test_a_sequence_in_a_slot_another_gave_back_gets_the_bits_of_a_cache_of_its_own():
+    """Two sequences leave (their caches dropped give their slots back), another joins in one of those slots, whose
+    keys, values and conv prefix still hold the old sequence's: every row equals the run with caches of their own."""
+    model = _model()
+    pools = SlotPools(model, slots=8, capacity=96)
+    prompts, tokens = _script()
+    kw = dict(join_at=10, leave_at=20, rejoin_at=25)
+    rec = {}
+    pooled = _decode(model, prompts, tokens, lambda: pools.new_cache(model.kernels.fingerprint), record=rec, **kw)
+    own = _model()
+    plain = _decode(own, prompts, tokens, own.new_cache, **kw)
+    assert rec["rejoined"] in rec["freed"]
+    assert all(torch.equal(a, b) for a, b in zip(plain, pooled))
 
 
 def test_a_sequence_beyond_the_pool_capacity_is_refused_before_any_state_moves():
@@ -111,20 +139,23 @@ def test_graphs_refuse_a_cpu_model_in_one_line():
 @pytest.mark.gpu
 def test_graph_decode_equals_eager_bitwise_and_native_differs():
     """Five sequences (padded to 8), 40 steps with C = 16 (every sequence completes chunks at its own steps), a
-    sequence joining with its prefill (an eager step), two leaving (another captured size), an in-place update of an
+    sequence joining with its prefill (an eager step), two leaving (another captured size) and a third joining in a
+    slot one of them gave back, an in-place update of an
     expert weight (a row of the stack the graphs read: no capture again): every full-vocabulary fp32 row equal to the
     eager model's."""
     prompts, tokens = _script()
-    kw = dict(join_at=10, leave_at=20, update_at=30)
+    kw = dict(join_at=10, leave_at=20, rejoin_at=25, update_at=30)
     eager = _model(device="cuda")
     graphed = _model(device="cuda")
     graphs = graphed.enable_decode_graphs(max_seqs=8, max_len=96)
     a = _decode(eager, prompts, tokens, eager.new_cache, **kw)
-    b = _decode(graphed, prompts, tokens, graphed.new_cache, **kw)
+    rec = {}
+    b = _decode(graphed, prompts, tokens, graphed.new_cache, record=rec, **kw)
     assert len(a) == len(b) == 41
     unequal = [i for i, (x, y) in enumerate(zip(a, b)) if not torch.equal(x, y)]
     assert not unequal, f"graph rows differ from eager rows at steps {unequal}"
-    assert graphs.stats["replays"] == 39  # every decode step but the joining one
+    assert rec["rejoined"] in rec["freed"]  # the rejoining sequence decodes in a slot another sequence held
+    assert graphs.stats["replays"] == 38  # every decode step but the two joining ones
     assert graphs.stats["chunk_completions"] > 0
     assert graphs.stats["captures"] == 4  # sizes 8, 4, 2, 1 at the first step, none after the update
     native = _model("native", device="cuda")
