@@ -99,6 +99,9 @@ def test_a_sequence_in_a_slot_another_gave_back_gets_the_bits_of_a_cache_of_its_
     plain = _decode(own, prompts, tokens, own.new_cache, **kw)
     assert rec["rejoined"] in rec["freed"]
     assert all(torch.equal(a, b) for a, b in zip(plain, pooled))
+    # what the rows do not read is there: the old sequence's keys past the new one's last position (7 + 14 tokens)
+    k, _ = pools.kv_pools(3)
+    assert k[rec["rejoined"], 22:36].abs().sum() > 0
 
 
 def test_a_sequence_beyond_the_pool_capacity_is_refused_before_any_state_moves():

@@ -167,11 +167,13 @@ def test_rl_step_with_vllm_engines_isoexec_bitwise_across_weight_syncs_native_no
         assert "failed" not in arm and arm["weights_at_load"]["engine"] == arm["weights_at_load"]["trainer"]
 
 
-def test_rl_step_refuses_an_unknown_engine():
+def test_rl_step_refuses_an_unknown_engine_or_kernel_set():
     from isoexec.bench.rl_step import run
 
     with pytest.raises(ValueError, match="'sglang'"):
         run("experiments/ci-tiny.yaml", "/tmp/unused.csv", engine="sglang")
+    with pytest.raises(ValueError, match="'isoexec,stock'"):
+        run("experiments/ci-tiny.yaml", "/tmp/unused.csv", sets=("isoexec", "stock"))
 
 
 def test_rl_step_keeps_one_arms_rows_when_the_other_fails(tmp_path, monkeypatch):

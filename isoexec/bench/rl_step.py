@@ -40,6 +40,7 @@ import argparse
 import gc
 import json
 import statistics
+import sys
 import time
 
 import torch
@@ -223,7 +224,7 @@ def local_arm(cfg, kernel_set: str, prompts: list[torch.Tensor], rl, steps: int,
 
 
 def vllm_arm(config: str, cfg, kernel_set: str, checkpoint: str, prompts: list[torch.Tensor], rl, steps: int,
-             log=print) -> list[dict]:
+             log=print) -> tuple[list[dict], dict]:
     """One kernel set with vLLM as the engine: vLLM native (its own Qwen3-Next at its best settings, torch.compile
     and CUDA graphs) for ``native``, vLLM with the isoexec plugin for ``isoexec``, and the unified model of that
     kernel set as the trainer, both loaded from ``checkpoint`` in one worker process
@@ -266,25 +267,26 @@ def run(config: str, out: str, steps: int = 2, prompt_len: int = 128,
     """Both kernel sets, one after the other, on the harness (``engine="harness"``: the unified model's own
     generation loop in both) or with vLLM as the engine (``engine="vllm"``: :func:`vllm_arm`; the random checkpoint
     of :func:`isoexec.bench.vllm_gpu.make_checkpoint` in ``work``); writes the CSV and its provenance after every arm
-(an arm that fails keeps the other's rows) and returns the CSV's rows.
-    ``new_tokens`` overrides ``rl.max_new_tokens`` (a shorter smoke run).
+    (an arm that fails keeps the other's rows) and returns the CSV's rows. ``new_tokens`` overrides
+    ``rl.max_new_tokens`` (a shorter smoke run).
 
     Raises:
-        ValueError: an ``engine`` other than "harness" or "vllm".
+        ValueError: an ``engine`` other than "harness" or "vllm", no set, or a set other than "isoexec" or "native".
     """
     from pathlib import Path
 
     from isoexec.config import load_config
     from isoexec.io import atomic_write_text, write_csv
+    from isoexec.model.hf import hf_config
     from isoexec.provenance import provenance
 
     if engine not in ("harness", "vllm"):
         raise ValueError(f"--engine {engine!r}: expected 'harness' or 'vllm'")
+    if not sets or any(ks not in ("isoexec", "native") for ks in sets):
+        raise ValueError(f"--sets {','.join(sets)!r}: expected one or both of 'isoexec', 'native'")
     cfg = load_config(config)
     rl = cfg.rl if new_tokens is None else cfg.rl.model_copy(update={"max_new_tokens": new_tokens})
     gen = torch.Generator().manual_seed(0)
-    from isoexec.model.hf import hf_config
-
     vocab = hf_config(cfg.model).vocab_size
     prompts = [torch.randint(0, vocab, (prompt_len,), generator=gen) for _ in range(rl.prompts_per_step)]
     ckpt = None
@@ -345,5 +347,9 @@ if __name__ == "__main__":
                         "for the native set, vLLM with the isoexec plugin for isoexec (default: %(default)s)")
     p.add_argument("--work", default="/tmp/isoexec-rl-step", help="folder for the checkpoint (--engine vllm)")
     a = p.parse_args()
-    run(a.config, a.out, a.steps, a.prompt_len, sets=tuple(a.sets.split(",")), new_tokens=a.new_tokens,
-        engine=a.engine, work=a.work)
+    try:
+        run(a.config, a.out, a.steps, a.prompt_len, sets=tuple(x for x in a.sets.split(",") if x),
+            new_tokens=a.new_tokens, engine=a.engine, work=a.work)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None

@@ -108,9 +108,6 @@ class Plan:
         self.events.append(kw)
         self.log(json.dumps(kw, default=str))
 
-    def engine_settings(self, mode: str, check: bool, max_seqs: int, max_len: int) -> dict[str, Any]:
-        return engine_settings(self.cuda, mode, check, max_seqs, max_len)
-
 
 def engine_settings(cuda: bool, mode: str, check: bool, max_seqs: int, max_len: int, kv_gib: int = 8) -> dict[str, Any]:
     """Scheduler settings of one engine, the same for both modes but CUDA graphs (vLLM's own: native only; the
@@ -142,7 +139,7 @@ def start_engines(plan: Plan, ckpt: Path, max_seqs: int, max_len: int, check_len
     specs = {"native": ("native", False), "isoexec": ("isoexec", False), "isoexec-check": ("isoexec", True)}
     workers = {}
     for name, (mode, check) in specs.items():
-        settings = plan.engine_settings(mode, check, 64 if check else max_seqs, check_len if check else max_len)
+        settings = engine_settings(plan.cuda, mode, check, 64 if check else max_seqs, check_len if check else max_len)
         workers[name] = Worker(name, engine_main, str(ckpt), mode, settings, kern, 0)
         plan.note(stage="engine_start", engine=name, settings=settings)
     rows = []
