@@ -9,7 +9,7 @@ Two engines (``--engine``):
   generates with vLLM's own Qwen3-Next at its best settings (torch.compile, CUDA graphs, FlashAttention, its Triton
   GDN and fused MoE) and trains the unified model with stock kernels (SDPA, fla, cuBLAS); the isoexec arm generates
   with vLLM and the isoexec plugin (its decode CUDA graphs on) and trains with the Triton set. Both load one random
-  checkpoint (:func:`isoexec.bench.vllm_gpu.make_checkpoint`) and compare what they loaded before the first step;
+  checkpoint (:func:`make_checkpoint`) and compare what they loaded before the first step;
   after each update the weights go to the engine through ``RolloutEngine.sync_weights`` (the checked path: contract
   handshake, transfer, checksums on both sides; ``time/weight_sync``). This is the generation ratio to compare with
   a production engine. The two syncs are the checked paths, not a production transfer, and not the same work:
@@ -39,11 +39,16 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import statistics
 import sys
 import time
+from pathlib import Path
+from typing import Any
 
 import torch
+
+from isoexec.bench.workers import Worker, WorkerError, engine_args, serve
 
 
 def _sync_time() -> float:
@@ -74,6 +79,20 @@ def build_model(cfg, kernel_set: str, seed: int = 0):
             else:
                 p.copy_(torch.randn(p.shape, device=dev, generator=gen) * cfg.model.init_std)
     return model
+
+
+def make_checkpoint(cfg, folder: Path) -> Path:
+    """Random weights of ``cfg.model`` (:func:`build_model`, seed 0, on ``cfg.device``)
+    saved as a Hugging Face checkpoint in ``folder`` (kept: a second run reuses it)."""
+    if (folder / "model.safetensors").exists():
+        return folder
+    model = build_model(cfg, "isoexec").to("cpu")
+    model.save_pretrained(folder)
+    del model
+    if torch.cuda.is_available():  # the engines and trainers of the run need this process's cached blocks
+        gc.collect()
+        torch.cuda.empty_cache()
+    return folder
 
 
 def _sample(lp: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
@@ -223,23 +242,61 @@ def local_arm(cfg, kernel_set: str, prompts: list[torch.Tensor], rl, steps: int,
     return rows
 
 
+def rl_arm_main(conn: Any, config: str, checkpoint: str, mode: str, engine: dict[str, Any]) -> None:
+    """Worker target: one arm of ``--engine vllm``, engine and trainer in this process: a
+    :class:`~isoexec.engines.vllm_engine.RolloutEngine` of ``mode`` (settings ``engine``; built first, while the
+    GPU's memory is free) and the unified model of ``mode``'s kernel set with :class:`~isoexec.trainer.optim.MasterAdamW`
+    (the config's ``rl`` settings), both from ``checkpoint``. Before the first step, what the two loaded is
+    compared (``weight_sync.check_weights_at_load``). Command: ``step`` (:func:`rl_step` with the engine:
+    its row, plus the process's peak GPU memory in GiB).
+    """
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+    def build():
+        from types import SimpleNamespace
+
+        from isoexec.config import EngineSection, load_config
+        from isoexec.engines.vllm_engine import RolloutEngine
+        from isoexec.engines.weight_sync import check_weights_at_load, state_checksums
+        from isoexec.model import UnifiedModel
+        from isoexec.trainer.base import sync_state
+        from isoexec.trainer.optim import MasterAdamW
+
+        cfg = load_config(config)
+        t0 = time.perf_counter()
+        eng = RolloutEngine(checkpoint, mode, EngineSection(**engine), cfg.kernels, seed=0)
+        t1 = time.perf_counter()
+        model = UnifiedModel.from_pretrained(checkpoint, kernel_set=mode, kernels=cfg.kernels, device=cfg.device)
+        opt = MasterAdamW(model.named_parameters(), lr=cfg.rl.lr, max_grad_norm=cfg.rl.max_grad_norm)
+        at_load = check_weights_at_load(eng.load_checksums, state_checksums(sync_state(model)))
+        return SimpleNamespace(engine=eng, model=model, opt=opt, start_report={
+            "engine_start_s": t1 - t0, "trainer_load_s": time.perf_counter() - t1, "weights_at_load": at_load})
+
+    def step(arm: Any, prompts: list[list[int]], group: int, new_tokens: int, seed: int) -> dict[str, Any]:
+        dev = arm.model.lm_head.weight.device
+        row = rl_step(arm.model, arm.opt, [torch.tensor(p, dtype=torch.long, device=dev) for p in prompts],
+                      group, new_tokens, seed, engine=arm.engine)
+        if torch.cuda.is_available():
+            row["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        return row
+
+    serve(conn, build, {"step": step})
+
+
 def vllm_arm(config: str, cfg, kernel_set: str, checkpoint: str, prompts: list[torch.Tensor], rl, steps: int,
              log=print) -> tuple[list[dict], dict]:
     """One kernel set with vLLM as the engine: vLLM native (its own Qwen3-Next at its best settings, torch.compile
     and CUDA graphs) for ``native``, vLLM with the isoexec plugin for ``isoexec``, and the unified model of that
     kernel set as the trainer, both loaded from ``checkpoint`` in one worker process
-    (:func:`isoexec.bench.workers.rl_arm_main`); an untimed warm-up step, then ``steps`` timed rows.
+    (:func:`rl_arm_main`); an untimed warm-up step, then ``steps`` timed rows.
 
     Returns:
         ``(rows, arm)``: the timed rows, and the arm's engine settings, start report (engine start, trainer load, the
         weights both sides loaded) and, if it failed, why (its rows so far are kept).
     """
-    from isoexec.bench.vllm_gpu import engine_settings
-    from isoexec.bench.workers import Worker, WorkerError, rl_arm_main
-
     B = rl.prompts_per_step * rl.group_size
-    settings = engine_settings(cfg.device == "cuda", kernel_set, False, B, len(prompts[0]) + rl.max_new_tokens + 64,
-                               kv_gib=2)
+    settings = engine_args(cfg.device == "cuda", kernel_set, False, B, len(prompts[0]) + rl.max_new_tokens + 64,
+                           kv_gib=2)
     w = Worker(f"rl-{kernel_set}", rl_arm_main, config, checkpoint, kernel_set, settings)
     rows, arm = [], {"engine_settings": settings}
     try:
@@ -266,15 +323,13 @@ def run(config: str, out: str, steps: int = 2, prompt_len: int = 128,
         work: str = "/tmp/isoexec-rl-step", log=print) -> list[dict]:
     """Both kernel sets, one after the other, on the harness (``engine="harness"``: the unified model's own
     generation loop in both) or with vLLM as the engine (``engine="vllm"``: :func:`vllm_arm`; the random checkpoint
-    of :func:`isoexec.bench.vllm_gpu.make_checkpoint` in ``work``); writes the CSV and its provenance after every arm
+    of :func:`make_checkpoint` in ``work``); writes the CSV and its provenance after every arm
     (an arm that fails keeps the other's rows) and returns the CSV's rows. ``new_tokens`` overrides
     ``rl.max_new_tokens`` (a shorter smoke run).
 
     Raises:
         ValueError: an ``engine`` other than "harness" or "vllm", no set, or a set other than "isoexec" or "native".
     """
-    from pathlib import Path
-
     from isoexec.config import load_config
     from isoexec.io import atomic_write_text, write_csv
     from isoexec.model.hf import hf_config
@@ -291,8 +346,6 @@ def run(config: str, out: str, steps: int = 2, prompt_len: int = 128,
     prompts = [torch.randint(0, vocab, (prompt_len,), generator=gen) for _ in range(rl.prompts_per_step)]
     ckpt = None
     if engine == "vllm":
-        from isoexec.bench.vllm_gpu import make_checkpoint
-
         Path(work).mkdir(parents=True, exist_ok=True)
         ckpt = str(make_checkpoint(cfg, Path(work) / f"{cfg.name}-checkpoint"))
     rows, arms = [], {}

@@ -34,7 +34,6 @@ Every file is written as soon as its stage ends, with ``provenance.json`` beside
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import statistics
 import sys
@@ -43,9 +42,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
-from isoexec.bench.workers import Worker, WorkerError, engine_main, trainer_main
+from isoexec.bench.rl_step import make_checkpoint
+from isoexec.bench.workers import Worker, WorkerError, engine_args, engine_main, trainer_main
 
 MODES = ("native", "isoexec")
 SCORE_FLOOR_S = 300.0
@@ -67,22 +66,6 @@ def parse_shape(text: str, group: int) -> tuple[int, int, int]:
     if min(s, p, n) < 1 or s % group:
         raise ValueError(f"--gen shape {text!r}: every value must be >= 1 and SEQS a multiple of --group {group}")
     return s, p, n
-
-
-def make_checkpoint(cfg: Any, folder: Path) -> Path:
-    """Random weights of ``cfg.model`` (:func:`isoexec.bench.rl_step.build_model`, seed 0, on ``cfg.device``)
-    saved as a Hugging Face checkpoint in ``folder`` (kept: a second run reuses it)."""
-    if (folder / "model.safetensors").exists():
-        return folder
-    from isoexec.bench.rl_step import build_model
-
-    model = build_model(cfg, "isoexec").to("cpu")
-    model.save_pretrained(folder)
-    del model
-    if torch.cuda.is_available():  # the engines and trainers of the run need this process's cached blocks
-        gc.collect()
-        torch.cuda.empty_cache()
-    return folder
 
 
 class Plan:
@@ -109,20 +92,6 @@ class Plan:
         self.log(json.dumps(kw, default=str))
 
 
-def engine_settings(cuda: bool, mode: str, check: bool, max_seqs: int, max_len: int, kv_gib: int = 8) -> dict[str, Any]:
-    """Scheduler settings of one engine, the same for both modes but CUDA graphs (vLLM's own: native only; the
-    plugin's decode graphs are on by default); ``check``: a 256-token budget and few KV blocks (preemption);
-    ``kv_gib``: vLLM's KV cache on the GPU."""
-    e = dict(max_num_seqs=max_seqs, max_model_len=max_len, enable_chunked_prefill=True,
-             max_num_batched_tokens=256 if check else max(8192, max_len), enable_prefix_caching=False)
-    if check:  # about a sixth of the check's tokens fit in the KV blocks: preemption and recompute
-        e["num_kv_blocks_override"] = max(2 * max_len // 16, 1024 if cuda else 256)
-    if cuda:
-        e.update(gpu_memory_utilization=0.2 if check else 0.28, kv_cache_memory_bytes=(1 if check else kv_gib) * 2**30,
-                 native_cuda_graphs=(mode == "native"), gdn_prefill_backend="triton")
-    return e
-
-
 def _write(plan: Plan, name: str, obj: Any) -> None:
     from isoexec.io import atomic_write_json, write_csv
 
@@ -139,7 +108,7 @@ def start_engines(plan: Plan, ckpt: Path, max_seqs: int, max_len: int, check_len
     specs = {"native": ("native", False), "isoexec": ("isoexec", False), "isoexec-check": ("isoexec", True)}
     workers = {}
     for name, (mode, check) in specs.items():
-        settings = engine_settings(plan.cuda, mode, check, 64 if check else max_seqs, check_len if check else max_len)
+        settings = engine_args(plan.cuda, mode, check, 64 if check else max_seqs, check_len if check else max_len)
         workers[name] = Worker(name, engine_main, str(ckpt), mode, settings, kern, 0)
         plan.note(stage="engine_start", engine=name, settings=settings)
     rows = []

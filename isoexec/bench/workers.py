@@ -164,6 +164,20 @@ def _profile(eng: Any, prompts: list[list[int]], n: int, max_tokens: int, seed: 
     return {"seconds_cprofile": wall, "seconds_torch_profiler": wall2, "cuda_kernel_s": kernel_us / 1e6}
 
 
+def engine_args(cuda: bool, mode: str, check: bool, max_seqs: int, max_len: int, kv_gib: int = 8) -> dict[str, Any]:
+    """The ``EngineSection`` fields of one benchmark engine (:func:`engine_main`'s ``engine``): scheduler settings,
+    the same for both modes but CUDA graphs (vLLM's own: native only; the plugin's decode graphs are on by default);
+    ``check``: a 256-token budget and few KV blocks (preemption); ``kv_gib``: vLLM's KV cache on the GPU."""
+    e = dict(max_num_seqs=max_seqs, max_model_len=max_len, enable_chunked_prefill=True,
+             max_num_batched_tokens=256 if check else max(8192, max_len), enable_prefix_caching=False)
+    if check:  # about a sixth of the check's tokens fit in the KV blocks: preemption and recompute
+        e["num_kv_blocks_override"] = max(2 * max_len // 16, 1024 if cuda else 256)
+    if cuda:
+        e.update(gpu_memory_utilization=0.2 if check else 0.28, kv_cache_memory_bytes=(1 if check else kv_gib) * 2**30,
+                 native_cuda_graphs=(mode == "native"), gdn_prefill_backend="triton")
+    return e
+
+
 def engine_main(conn: Any, checkpoint: str, mode: str, engine: dict[str, Any], kernels: dict[str, Any],
                 seed: int) -> None:
     """Worker target: an in-process :class:`~isoexec.engines.vllm_engine.RolloutEngine` of ``mode``.
@@ -180,49 +194,6 @@ def engine_main(conn: Any, checkpoint: str, mode: str, engine: dict[str, Any], k
 
     serve(conn, build, {"generate": _generate, "profile": _profile,
                         "cache_state": lambda eng: eng.cache_state() if eng.mode == "isoexec" else {}})
-
-
-def rl_arm_main(conn: Any, config: str, checkpoint: str, mode: str, engine: dict[str, Any]) -> None:
-    """Worker target: one arm of ``isoexec.bench.rl_step --engine vllm``, engine and trainer in this process: a
-    :class:`~isoexec.engines.vllm_engine.RolloutEngine` of ``mode`` (settings ``engine``; built first, while the
-    GPU's memory is free) and the unified model of ``mode``'s kernel set with :class:`~isoexec.trainer.optim.MasterAdamW`
-    (the config's ``rl`` settings), both from ``checkpoint``. Before the first step, what the two loaded is
-    compared (``weight_sync.check_weights_at_load``). Command: ``step`` (``rl_step.rl_step`` with the engine:
-    its row, plus the process's peak GPU memory in GiB).
-    """
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-
-    def build():
-        from types import SimpleNamespace
-
-        from isoexec.config import EngineSection, load_config
-        from isoexec.engines.vllm_engine import RolloutEngine
-        from isoexec.engines.weight_sync import check_weights_at_load, state_checksums
-        from isoexec.model import UnifiedModel
-        from isoexec.trainer.base import sync_state
-        from isoexec.trainer.optim import MasterAdamW
-
-        cfg = load_config(config)
-        t0 = time.perf_counter()
-        eng = RolloutEngine(checkpoint, mode, EngineSection(**engine), cfg.kernels, seed=0)
-        t1 = time.perf_counter()
-        model = UnifiedModel.from_pretrained(checkpoint, kernel_set=mode, kernels=cfg.kernels, device=cfg.device)
-        opt = MasterAdamW(model.named_parameters(), lr=cfg.rl.lr, max_grad_norm=cfg.rl.max_grad_norm)
-        at_load = check_weights_at_load(eng.load_checksums, state_checksums(sync_state(model)))
-        return SimpleNamespace(engine=eng, model=model, opt=opt, start_report={
-            "engine_start_s": t1 - t0, "trainer_load_s": time.perf_counter() - t1, "weights_at_load": at_load})
-
-    def step(arm: Any, prompts: list[list[int]], group: int, new_tokens: int, seed: int) -> dict[str, Any]:
-        from isoexec.bench.rl_step import rl_step
-
-        dev = arm.model.lm_head.weight.device
-        row = rl_step(arm.model, arm.opt, [torch.tensor(p, dtype=torch.long, device=dev) for p in prompts],
-                      group, new_tokens, seed, engine=arm.engine)
-        if torch.cuda.is_available():
-            row["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
-        return row
-
-    serve(conn, build, {"step": step})
 
 
 # ----------------------------------------------------------------------------------------- trainers
