@@ -93,6 +93,10 @@ class TritonSection(_Section):
         "power of two); fewer than G leaves per program keep fewer fp32 tile accumulators live (the pending tree "
         "nodes) and add the levels above in a second kernel through an fp32 buffer. Same additions in the same "
         "order (not bit-relevant, so not in the contract)")
+    pik_loop: Literal["flat", "paired"] = Field(
+        "flat", description="leaf GEMM programs of several leaves: one K loop over all the leaves, or two leaves at a "
+        "time (two tensor-core chains in flight, the tree climbed after each pair; isoexec/kernels/gemm/triton.py). "
+        "Same additions in the same order (not bit-relevant, so not in the contract)")
     attn_block_m: PositiveInt = Field(64, description="attention query rows per tile")
     attn_num_warps: PositiveInt = Field(8, description="attention warps per tile (fixes the row reductions' layout)")
     attn_num_stages: PositiveInt = Field(2, description="attention K/V software-pipelining depth")

@@ -78,18 +78,20 @@ def test_gemm_row_buckets_give_the_bits_of_the_pinned_tiles_and_another_order_do
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("k", [512, 2048])  # bf16 leaves of one 64-wide K step (512) and of four (2048)
 @pytest.mark.parametrize("program_leaves", [8, 2])
-def test_leaf_gemm_bitwise_across_tp_subtrees_and_launches(dtype, k, program_leaves):
+@pytest.mark.parametrize("loop", ["flat", "paired"])
+def test_leaf_gemm_bitwise_across_tp_subtrees_and_launches(dtype, k, program_leaves, loop):
     """pik at TP 1, 2, 4, 8 on one GPU: each rank's leaf subtree from its K shard, the rank partials
     added by the same tree, equal the TP=1 leaf GEMM; every launch (one leaf per program, all eight, or
-    ``pik_program_leaves`` with the levels above in the combine kernel) and every batch give the same row."""
+    ``pik_program_leaves`` with the levels above in the combine kernel), both loop shapes (``pik_loop``) and
+    every batch give the same row."""
     from isoexec.kernels.gemm.triton import linear_leaves, linear_leaves_partial, tree_combine
 
-    cfg = CFG.model_copy(update={"pik_program_leaves": program_leaves})
+    cfg = CFG.model_copy(update={"pik_program_leaves": program_leaves, "pik_loop": loop})
     x = torch.randn(333, k, device=DEV, dtype=dtype)
     w = torch.randn(1024, k, device=DEV, dtype=dtype) * 0.02
     full = linear_leaves(x, w, cfg, 8, split=False)
     assert torch.equal(full, linear_leaves(x, w, cfg, 8, split=True))
-    assert torch.equal(full, linear_leaves(x, w, CFG, 8, split=False))  # eight leaves per program
+    assert torch.equal(full, linear_leaves(x, w, CFG, 8, split=False))  # eight leaves per program, the pinned loop
     assert torch.equal(linear_leaves(x[200:201], w, cfg, 8)[0], full[200])
     for tp in (2, 4, 8):
         s = k // tp
@@ -116,6 +118,9 @@ def test_grouped_leaf_gemm_rows_batch_and_launch_invariant():
     assert torch.equal(y, grouped_linear_leaves(x, w, counts, CFG, 8, split=False))
     two = CFG.model_copy(update={"pik_program_leaves": 2})
     assert torch.equal(y, grouped_linear_leaves(x, w, counts, two, 8, split=False))
+    for lpp in (8, 2):
+        paired = CFG.model_copy(update={"pik_program_leaves": lpp, "pik_loop": "paired"})
+        assert torch.equal(y, grouped_linear_leaves(x, w, counts, paired, 8, split=False))
     assert torch.equal(y[120], grouped_linear_leaves(x[120:121], w[2:3], torch.tensor([1], device=DEV), CFG, 8)[0])
     assert _rel(y[100:250].float(), linear_leaves(x[100:250], w[2], CFG, 8).float()) < 1e-2
 

@@ -52,19 +52,51 @@ def test_constant_one_step_leaf_loop_folds_the_tree_add_into_the_dot_negative_co
     assert dots == 2 and adds == 0
 
 
-@pytest.mark.parametrize("flat", [False, True], ids=["unrolled", "flat"])
+_LEAF_SIG = {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*fp32", "M": "i32", "N": "i32", "stride_xm": "i32",
+             "stride_wn": "i32", "stride_ym": "i32", "stride_we": "i32", "stride_ys": "i32", "tile_e_ptr": "*i32",
+             "tile_r0_ptr": "*i32", "tile_r1_ptr": "*i32", "n_tiles": "i32", "kpl": "i32"}
+
+
+@pytest.mark.parametrize("loop", ["unrolled", "flat", "paired"])
 @pytest.mark.parametrize("leaf_k", [64, 128])
-def test_leaf_gemm_in_register_tree_keeps_every_addition_for_sm90(leaf_k, flat):
+def test_leaf_gemm_in_register_tree_keeps_every_addition_for_sm90(leaf_k, loop):
     from isoexec.kernels.gemm.triton import _leaf_gemm_kernel
 
-    sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*fp32", "M": "i32", "N": "i32", "stride_xm": "i32",
-           "stride_wn": "i32", "stride_ym": "i32", "stride_we": "i32", "stride_ys": "i32", "tile_e_ptr": "*i32",
-           "tile_r0_ptr": "*i32", "tile_r1_ptr": "*i32", "n_tiles": "i32", "kpl": "i32"}
-    consts = {"LEAF_K": leaf_k, "LPP": 8, "FLAT": flat, "GROUPED": False, "BM": 128, "BN": 64, "BK": 64, "GM": 8,
+    consts = {"LEAF_K": leaf_k, "LPP": 8, "LOOP": loop, "GROUPED": False, "BM": 128, "BN": 64, "BK": 64, "GM": 8,
               "PREC": "ieee"}
     # unrolled: 8 leaf loops, 7 tree additions; flat: one K loop whose leaf ends climb the tree's three
-    # levels (one addition each). A folded addition would disappear into a dot's accumulator.
-    assert _tile_addf(_leaf_gemm_kernel, sig, consts) == ((1, 3) if flat else (8, 7))
+    # levels (one addition each); paired: one K loop of two dots, then the same three levels' additions.
+    # A folded addition would disappear into a dot's accumulator.
+    assert _tile_addf(_leaf_gemm_kernel, _LEAF_SIG, consts) == {"unrolled": (8, 7), "flat": (1, 3), "paired": (2, 3)}[loop]
+
+
+def _dot_waits(loop: str) -> list[int]:
+    """The ``pendings`` of every tensor-core wait in the sm90 TTGIR of the leaf GEMM with ``loop``, compiled as the
+    JIT specializes it (16-byte aligned pointers and strides), the pinned h200 tiles 64x64x64, 4 warps, 4 stages."""
+    from triton.backends.compiler import GPUTarget
+
+    from isoexec.kernels.gemm.triton import _leaf_gemm_kernel
+
+    consts = {"LEAF_K": 512, "LPP": 8, "LOOP": loop, "GROUPED": False, "BM": 64, "BN": 64, "BK": 64, "GM": 8,
+              "PREC": "ieee"}
+    attrs = {(_leaf_gemm_kernel.arg_names.index(a),): [["tt.divisibility", 16]]
+             for a, t in _LEAF_SIG.items() if t.startswith("*") or a.startswith("stride") or a == "N"}
+    src = triton.compiler.ASTSource(fn=_leaf_gemm_kernel, signature={**_LEAF_SIG, **{c: "constexpr" for c in consts}},
+                                    constexprs=consts, attrs=attrs)
+    ttgir = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 4}).asm["ttgir"]
+    return [int(p) for p in re.findall(r"warp_group_dot_wait .*pendings = (\d+)", ttgir)]
+
+
+def test_paired_leaf_loop_keeps_two_tensor_core_dots_in_flight_for_sm90():
+    """In the paired loop's K steps the two leaves' wgmma chains stay in flight (the wait inside the loop leaves
+    2 pending); the only full wait is the pair's, before its leaves climb the tree."""
+    assert sorted(_dot_waits("paired")) == [0, 2]
+
+
+def test_flat_leaf_loop_waits_for_every_dot_negative_control():
+    """The flat loop reads its accumulator in the loop (the tree climb at a leaf's last step), so Triton waits for
+    each K step's dot before the next (its only wait: ``pendings = 0``, in the loop)."""
+    assert _dot_waits("flat") == [0]
 
 
 @pytest.mark.parametrize("kc", [2, 4])

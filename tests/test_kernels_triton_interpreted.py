@@ -1,5 +1,5 @@
 """Triton kernel-set code on the CPU: the MoE expert-weight cache (plain torch), the conv1d's one launch
-over every piece, and the Triton CPR backward's arithmetic through Triton's interpreter (``TRITON_INTERPRET=1``,
+over every piece, the leaf GEMM's loop shapes, and the Triton CPR backward's arithmetic through Triton's interpreter (``TRITON_INTERPRET=1``,
 numpy; its dots are plain fp32, so tf32 rounding is absent and the gradient must match the fp64
 reference to fp32 accuracy). The GPU test ``tests/test_kernels_triton.py`` checks the compiled kernels.
 
@@ -331,3 +331,46 @@ def test_slot_kernels_equal_the_eager_kernels_in_the_interpreter():
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(r.stdout.strip().splitlines()[-1])
     assert res == {"attn": True, "conv": True, "gdn": True, "completions": 4}, res
+
+_LEAF_CASE = r"""
+import json, torch
+import torch.nn.functional as F
+from isoexec.config import TritonSection
+from isoexec.kernels.gemm.triton import linear_leaves, grouped_linear_leaves, linear_leaves_partial, tree_combine
+torch.manual_seed(0)
+res = {}
+for name, dt in (("fp32", torch.float32), ("fp16", torch.float16)):
+    for K in (256, 1024):  # leaves of 32 features (one partial K step) and of 128 (two or four steps)
+        x, w = torch.randn(37, K).to(dt), torch.randn(48, K).to(dt)
+        out = {}
+        for loop in ("flat", "paired"):
+            for lpp in (8, 4, 2):
+                cfg = TritonSection(pik_loop=loop, pik_program_leaves=lpp)
+                out[f"{loop}{lpp}"] = linear_leaves(x, w, cfg, 8, torch.float32, split=False)
+        ref = linear_leaves(x, w, TritonSection(), 8, torch.float32, split=True)  # one leaf per program + tree_combine
+        tp = [linear_leaves_partial(x[:, r * K // 4:(r + 1) * K // 4], w[:, r * K // 4:(r + 1) * K // 4],
+                                    TritonSection(pik_loop="paired", pik_split_rows=0), 2) for r in range(4)]
+        tp4 = tree_combine(torch.stack(tp), torch.float32)
+        counts = torch.tensor([10, 0, 27])
+        ws = torch.stack([w, w.flip(0), w * 0.5])
+        g = grouped_linear_leaves(x, ws, counts, TritonSection(pik_loop="paired"), 8, split=False)
+        g_want = torch.cat([linear_leaves(x[:10], ws[0], TritonSection(), 8, split=True),
+                            linear_leaves(x[10:], ws[2], TritonSection(), 8, split=True)])
+        res[f"{name}_K{K}"] = {"loops_eq_split": all(torch.equal(v, ref) for v in out.values()),
+                               "tp4_eq": torch.equal(tp4, ref), "grouped_eq": torch.equal(g, g_want),
+                               "native_differs": not torch.equal(F.linear(x.float(), w.float()), ref)}
+print(json.dumps(res))
+"""
+
+
+def test_leaf_gemm_loop_shapes_give_the_same_bits_in_the_interpreter():
+    """The leaf GEMM's loop shapes (``pik_loop`` flat and paired) at 8, 4 and 2 leaves per program, a TP=4 rank's
+    subtree (paired) through the combine, and the grouped launch give the one-leaf-per-program launch's fp32 rows,
+    fp32 and fp16 inputs, leaves of one partial K step and of several; the native ``F.linear`` differs (negative
+    control). The compiled kernels: ``tests/test_kernels_triton.py`` on a GPU."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    r = subprocess.run([sys.executable, "-c", _LEAF_CASE], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    assert res and all(v == {"loops_eq_split": True, "tp4_eq": True, "grouped_eq": True, "native_differs": True}
+                       for v in res.values()), res

@@ -147,20 +147,25 @@ def _tree_climb(j, acc, s0, s1, s2, LPP: tl.constexpr):
     return s0, s1, s2
 
 
-# Two loop shapes, the same additions in the same order (``FLAT`` is chosen by the host, not bit-relevant):
-# one flat K loop over the leaves, software-pipelined across leaf boundaries, for programs of several leaves
-# (one-step leaves included: 0.77x the unrolled time on the H200, ``results/h200/leaf_gemm/README.md``); or
-# the leaf unrolled with its own K loop, for one-leaf programs (the split launch, where the flat loop took
-# 1.07-1.55x the time).
+# Three loop shapes, the same additions in the same order (``LOOP`` is chosen by the host, not bit-relevant):
+# - ``flat``: one K loop over the leaves, software-pipelined across leaf boundaries, for programs of several leaves
+#   (one-step leaves included: 0.77x the unrolled time on the H200, ``results/h200/leaf_gemm/README.md``). Its
+#   accumulator is read by the tree climb inside the loop, so Triton waits for every tensor-core dot before the
+#   next (``warp_group_dot_wait {pendings = 0}`` in each K step: ``results/h200/leaf_gemm/sm90_compile/``);
+# - ``paired``: two leaves at a time, each pair's K loop holding one dot per leaf, two chains in flight
+#   (``pendings = 2``) and only dots on the accumulators, the pair's two leaves climbing the tree after its loop
+#   (one drain per pair);
+# - ``unrolled``: the leaf with its own K loop, for one-leaf programs (the split launch, where the flat loop took
+#   1.07-1.55x the time).
 # ``kpl`` (K steps per leaf) is a run-time bound on purpose: with a compile-time kpl of 1 a leaf's dot starts
 # from a literal zero, and Triton's dot-combine pattern folds the next tree addition into that dot's
 # accumulator (``dot(a, b, 0) + s -> dot(a, b, s)``), which changes the bits of the in-register tree against
 # the one-leaf-per-program launch (seen on the H200 for leaves of one 64-wide K step). A grouped padding tile
-# (r0 == r1) sets kpl to 0, so both loop shapes run no step; a live tile keeps kpl, still a run-time value.
+# (r0 == r1) sets kpl to 0, so no loop shape runs a step; a live tile keeps kpl, still a run-time value.
 @triton.jit(do_not_specialize=["M", "n_tiles", "kpl"])
 def _leaf_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, stride_xm, stride_wn, stride_ym, stride_we, stride_ys,
                       tile_e_ptr, tile_r0_ptr, tile_r1_ptr, n_tiles, kpl,
-                      LEAF_K: tl.constexpr, LPP: tl.constexpr, FLAT: tl.constexpr, GROUPED: tl.constexpr,
+                      LEAF_K: tl.constexpr, LPP: tl.constexpr, LOOP: tl.constexpr, GROUPED: tl.constexpr,
                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GM: tl.constexpr, PREC: tl.constexpr):
     # program (tile, s): output tile ``tile`` summed over the subtree s of LPP leaves (K offset s*LPP*LEAF_K)
     sub = tl.program_id(1)
@@ -178,7 +183,7 @@ def _leaf_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, stride_xm, stride_wn, stride_ym
     s0 = tl.zeros((BM, BN), dtype=tl.float32)
     s1 = tl.zeros((BM, BN), dtype=tl.float32)
     s2 = tl.zeros((BM, BN), dtype=tl.float32)
-    if FLAT:  # one K loop over all LPP leaves, pipelined across leaf boundaries (iteration t = j * kpl + it)
+    if LOOP == "flat":  # one K loop over all LPP leaves, pipelined across leaf boundaries (iteration t = j * kpl + it)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         for t in range(0, LPP * kpl):
             j = t // kpl
@@ -192,6 +197,24 @@ def _leaf_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, stride_xm, stride_wn, stride_ym
             if it == kpl - 1:
                 s0, s1, s2 = _tree_climb(j, acc, s0, s1, s2, LPP)
                 acc = tl.zeros((BM, BN), dtype=tl.float32)  # the next leaf starts from zero
+    elif LOOP == "paired":  # leaves 2p and 2p + 1 side by side in one K loop, then both climb the tree
+        for p in range(0, LPP // 2):
+            acc = tl.zeros((BM, BN), dtype=tl.float32)
+            acc2 = tl.zeros((BM, BN), dtype=tl.float32)
+            for it in range(0, kpl):
+                kl = it * BK + tl.arange(0, BK)
+                ks = k_base + 2 * p * LEAF_K + kl
+                kmask = kl < LEAF_K
+                a = tl.load(x_ptr + rows64[:, None] * stride_xm + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+                b = tl.load(w_ptr + cols64[None, :] * stride_wn + ks[:, None], mask=kmask[:, None] & cmask[None, :], other=0.0)
+                a2 = tl.load(x_ptr + rows64[:, None] * stride_xm + (ks + LEAF_K)[None, :],
+                             mask=rmask[:, None] & kmask[None, :], other=0.0)
+                b2 = tl.load(w_ptr + cols64[None, :] * stride_wn + (ks + LEAF_K)[:, None],
+                             mask=kmask[:, None] & cmask[None, :], other=0.0)
+                acc = tl.dot(a, b, acc, input_precision=PREC)
+                acc2 = tl.dot(a2, b2, acc2, input_precision=PREC)
+            # leaf 2p's partial is the pending level-0 node when leaf 2p + 1 climbs (what climbing 2p would leave)
+            s0, s1, s2 = _tree_climb(2 * p + 1, acc2, acc, s1, s2, LPP)
     else:
         for j in tl.static_range(LPP):  # leaves unrolled: each leaf is one plain (pipelined) K loop
             acc = tl.zeros((BM, BN), dtype=tl.float32)
@@ -474,18 +497,18 @@ def _launch_leaves(x, w, y, counts, cfg, leaf_k: int, lpp: int, n_sub: int):
     N = w.shape[-2]
     stride_ys = R * N
     kpl = triton.cdiv(leaf_k, BK)
-    flat = lpp > 1
+    loop = cfg.pik_loop if lpp > 1 else "unrolled"
     if counts is None:
         grid = (triton.cdiv(R, BM) * triton.cdiv(N, BN), n_sub)
         _leaf_gemm_kernel[grid](x, w, y, R, N, x.stride(0), w.stride(0), N, 0, stride_ys, x, x, x, 0, kpl,
-                                LEAF_K=leaf_k, LPP=lpp, FLAT=flat, GROUPED=False, BM=BM, BN=BN, BK=BK, GM=cfg.gemm_group_m,
+                                LEAF_K=leaf_k, LPP=lpp, LOOP=loop, GROUPED=False, BM=BM, BN=BN, BK=BK, GM=cfg.gemm_group_m,
                                 PREC=DOT_PRECISION, num_warps=nw, num_stages=ns)
         return
     meta = _group_tiles(_check_counts(counts, x, w), BM, R)
     n_t = meta.shape[1]
     grid = (n_t * triton.cdiv(N, BN), n_sub)
     _leaf_gemm_kernel[grid](x, w, y, R, N, x.stride(0), w.stride(1), N, w.stride(0), stride_ys, meta[0], meta[1], meta[2],
-                            n_t, kpl, LEAF_K=leaf_k, LPP=lpp, FLAT=flat, GROUPED=True, BM=BM, BN=BN, BK=BK,
+                            n_t, kpl, LEAF_K=leaf_k, LPP=lpp, LOOP=loop, GROUPED=True, BM=BM, BN=BN, BK=BK,
                             GM=cfg.gemm_group_m, PREC=DOT_PRECISION, num_warps=nw, num_stages=ns)
 
 

@@ -1,0 +1,119 @@
+"""The leaf GEMM (pik row-parallel regions) compiled for Hopper on any machine, no GPU: what limits each loop shape
+and tile choice before it is timed.
+
+``python -m isoexec.bench.sm90_compile --out results/h200/leaf_gemm/sm90_compile/compile.csv``
+
+Each candidate (``pik_loop``, tiles BM x BN x BK, warps, stages, leaves per program) is compiled by Triton for sm90
+as its JIT specializes a launch (16-byte aligned pointers and strides), and its PTX assembled by the ptxas that Triton
+bundles (``-arch=sm_90a -v``). One CSV row per candidate:
+
+* ``registers``, ``spill_store_bytes``, ``spill_load_bytes``: per thread, from ptxas; ``shared_bytes``: Triton's
+  shared memory per program (the pipeline's stages of operand tiles);
+* ``ctas_per_sm``: programs one SM can hold by registers (65,536 per SM) and shared memory (232,448 bytes);
+* ``dots``: tensor-core dots in the TTGIR; ``dot_waits``: the ``pendings`` of each wait on them (0 = every dot
+  before finished; in a K loop it means no tensor-core work overlaps the next step's issue); ``async_loads``:
+  asynchronous global-to-shared copies (prologue and loop).
+
+The same numbers hold on the GPU only for the same Triton version (``provenance.json`` records it; the H200 node runs
+Triton 3.6.0, which installs on a CPU machine: ``pip install --target DIR triton==3.6.0``, then ``PYTHONPATH=DIR``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+LEAF_SIGNATURE = {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "M": "i32", "N": "i32", "stride_xm": "i32",
+                  "stride_wn": "i32", "stride_ym": "i32", "stride_we": "i32", "stride_ys": "i32",
+                  "tile_e_ptr": "*i32", "tile_r0_ptr": "*i32", "tile_r1_ptr": "*i32", "n_tiles": "i32", "kpl": "i32"}
+TILES = ((64, 64, 64, 4, 4), (64, 64, 64, 4, 3), (64, 64, 64, 4, 2), (128, 64, 64, 8, 3), (128, 64, 64, 8, 2),
+         (128, 128, 64, 8, 3))
+REGISTERS_PER_SM, SHARED_PER_SM = 65536, 232448
+
+
+def compile_sm90(fn, signature: dict[str, str], constexprs: dict, num_warps: int, num_stages: int) -> dict:
+    """Compile the Triton kernel ``fn`` for sm90 without a GPU and read its resources.
+
+    Args:
+        fn: a ``triton.jit`` function. signature: its run-time arguments' Triton types (``"*bf16"``, ``"i32"``).
+        constexprs: its compile-time arguments. num_warps, num_stages: the launch's.
+
+    Returns:
+        The module docstring's columns (``registers`` ... ``async_loads``).
+
+    Raises:
+        RuntimeError: ptxas printed no register count (its output attached).
+    """
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]]  # what the JIT assumes of aligned tensors
+             for a, t in signature.items() if t.startswith("*") or a.startswith("stride") or a == "N"}
+    src = triton.compiler.ASTSource(fn=fn, signature={**signature, **{c: "constexpr" for c in constexprs}},
+                                    constexprs=constexprs, attrs=attrs)
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": num_stages})
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = Path(tmp) / "k.ptx"
+        ptx.write_text(k.asm["ptx"])
+        log = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", str(ptx), "-o", str(Path(tmp) / "k.cubin")],
+                             capture_output=True, text=True).stderr
+    regs = re.search(r"Used (\d+) registers", log)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    if regs is None or spills is None:
+        raise RuntimeError(f"ptxas gave no register count:\n{log[-2000:]}")
+    ttgir = k.asm["ttgir"]
+    r, smem = int(regs.group(1)), int(k.metadata.shared)
+    return {"registers": r, "spill_store_bytes": int(spills.group(1)), "spill_load_bytes": int(spills.group(2)),
+            "shared_bytes": smem,
+            "ctas_per_sm": min(REGISTERS_PER_SM // (r * 32 * num_warps), SHARED_PER_SM // max(smem, 1)),
+            "dots": len(re.findall(r"warp_group_dot ", ttgir)),
+            "dot_waits": ";".join(re.findall(r"warp_group_dot_wait .*pendings = (\d+)", ttgir)),
+            "async_loads": len(re.findall(r"async_copy_global_to_local", ttgir))}
+
+
+def leaf_rows(leaf_k: int = 512) -> list[dict]:
+    """Every loop shape x :data:`TILES` x 8, 4, 2 leaves per program of the bf16 leaf GEMM (leaves of ``leaf_k``
+    features: h200-rlstep's 4096 / 8), compiled by :func:`compile_sm90`."""
+    from isoexec.kernels.gemm.triton import _leaf_gemm_kernel
+
+    rows = []
+    for loop in ("flat", "paired"):
+        for bm, bn, bk, nw, ns in TILES:
+            for lpp in (8, 4, 2):
+                consts = {"LEAF_K": leaf_k, "LPP": lpp, "LOOP": loop, "GROUPED": False, "BM": bm, "BN": bn, "BK": bk,
+                          "GM": 8, "PREC": "ieee"}
+                rows.append({"loop": loop, "tiles": f"{bm}x{bn}x{bk}", "num_warps": nw, "num_stages": ns,
+                             "leaves_per_program": lpp, "leaf_k": leaf_k,
+                             **compile_sm90(_leaf_gemm_kernel, LEAF_SIGNATURE, consts, nw, ns)})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    import json
+
+    import triton
+
+    from isoexec.io import atomic_write_text, write_csv
+    from isoexec.provenance import provenance
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True, help="CSV path; provenance.json is written beside it")
+    a = p.parse_args(argv)
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_csv(out, leaf_rows())
+    from triton.backends.nvidia.compiler import get_ptxas_version
+
+    prov = {**provenance(), "triton_imported": triton.__version__, "triton_path": triton.__file__,
+            "ptxas": get_ptxas_version(90).strip().splitlines()[-1], "target": "cuda sm90 (ptxas -arch=sm_90a)"}
+    atomic_write_text(out.parent / "provenance.json", json.dumps(prov, indent=2, sort_keys=True, default=str) + "\n")
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()
