@@ -6,9 +6,11 @@
 #                                                                      -> $JOB_OUT/<config name>/, vllm_gpu.log
 # 3. isoexec.bench.rl_step --engine vllm: one RL step per arm, vLLM native vs vLLM + plugin
 #                                                                      -> $JOB_OUT/rl_step.csv, rl_step.log
+# 4. the leaf GEMM's loop shapes and tiles side by side with cuBLAS, each bitwise-checked (issue 37; last, so that it
+#    only takes device time the stages above left)                    -> $JOB_OUT/leaf_variants/, leaf_variants.log
 # and nvidia-smi's utilisation every 5 s (gpu_util.csv). Settings: CONFIG (experiments/h200-rlstep.yaml), GEN (the
-# generation shapes), DEADLINE (vllm_gpu's --deadline-s), T_TESTS / T_VLLM / T_RLSTEP (time limits, s). Exit status:
-# the last failing stage's; every stage runs whatever the others did.
+# generation shapes), DEADLINE (vllm_gpu's --deadline-s), T_TESTS / T_VLLM / T_RLSTEP / T_LEAF (time limits, s;
+# T_LEAF=0 skips stage 4). Exit status: the last failing stage's; every stage runs whatever the others did.
 set -uo pipefail
 O=${JOB_OUT:?run through gpu_node.sh start (JOB_OUT)}
 CONFIG=${CONFIG:-experiments/h200-rlstep.yaml}
@@ -25,5 +27,10 @@ grep -o '"stage": "[a-z_]*"' "$O/vllm_gpu.log" | sort | uniq -c
 timeout "${T_RLSTEP:-840}" python3 -m isoexec.bench.rl_step --config "$CONFIG" --engine vllm --out "$O/rl_step.csv" \
   --work /tmp/isoexec-vllm-gpu > "$O/rl_step.log" 2>&1 || s=$?
 grep '^{' "$O/rl_step.log" | cut -c1-300
+if [ "${T_LEAF:-300}" -gt 0 ]; then
+  ISOEXEC_VARIANTS=leaf timeout "${T_LEAF:-300}" python3 -m isoexec.bench.gpu variants --config experiments/h200.yaml \
+    --extra-config experiments/h200-rlstep.yaml --out-dir "$O/leaf_variants" > "$O/leaf_variants.log" 2>&1 || s=$?
+  tail -n 3 "$O/leaf_variants.log"
+fi
 kill %1 2>/dev/null
 exit $s
