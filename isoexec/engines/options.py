@@ -85,9 +85,14 @@ def _r(why: str, *allowed: Any, where: tuple[str, ...] | str = (), native: bool 
                   accepts)
 
 
+_WORKER_EXTENSION = "isoexec.engines.vllm_plugin.IsoExecWorkerExtension"
+"""The isoexec worker extension (``worker_extension_cls``) by its qualified name: ``vllm_plugin``, which defines it,
+imports this module."""
+
+
 def _extends_isoexec_worker(qualname: Any) -> bool:
     """``qualname`` (``"pkg.module.Class"``) names a subclass of the isoexec worker extension (e.g. a server's
-    extension mixing it with its framework's own)."""
+    extension mixing it with its framework's own): a class whose MRO holds :data:`_WORKER_EXTENSION`."""
     import importlib
 
     if not isinstance(qualname, str) or "." not in qualname:
@@ -97,9 +102,7 @@ def _extends_isoexec_worker(qualname: Any) -> bool:
         cls = getattr(importlib.import_module(mod), name)
     except (ImportError, AttributeError):
         return False
-    from .vllm_plugin import IsoExecWorkerExtension
-
-    return isinstance(cls, type) and issubclass(cls, IsoExecWorkerExtension)
+    return isinstance(cls, type) and any(f"{c.__module__}.{c.__qualname__}" == _WORKER_EXTENSION for c in cls.__mro__)
 
 
 def _s(why: str) -> Option:
@@ -457,8 +460,7 @@ ENGINE_OPTIONS: dict[str, Option] = {
     "kernel_config": _i(_KERNEL),
     "enable_flashinfer_autotune": _i(_KERNEL),
     "worker_cls": _i(_DEPLOY + "; isoexec's worker methods come through worker_extension_cls"),
-    "worker_extension_cls": _r("holds the checked weight path, the attach and the checksums",
-                               "isoexec.engines.vllm_plugin.IsoExecWorkerExtension",
+    "worker_extension_cls": _r("holds the checked weight path, the attach and the checksums", _WORKER_EXTENSION,
                                where="parallel_config.worker_extension_cls", accepts=_extends_isoexec_worker),
     "profiler_config": _i(_LOG),
     "logging_config": _i(_LOG),

@@ -39,15 +39,8 @@ from matplotlib.lines import Line2D
 from matplotlib.ticker import MaxNLocator
 
 from isoexec.report.data import atomic_write_bytes, load_metrics
-from isoexec.report.tables import (
-    BASELINE_ARM,
-    TIME_KEYS,
-    arm_sort_key,
-    bootstrap_interval,
-    overhead_cell,
-    phase_overhead,
-    timed_steps,
-)
+from isoexec.report.stats import BASELINE_ARM, arm_sort_key, bootstrap_interval, timed_steps
+from isoexec.report.tables import TIME_KEYS, overhead_cell, phase_overhead
 
 # (colour, line style, marker, filled marker) per arm; other arms take the fallbacks in turn
 STYLES = {"native": ("#d62728", "-", "o", True), "isoexec": ("#1f77b4", "--", "s", False),

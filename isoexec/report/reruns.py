@@ -5,8 +5,8 @@ machine, the same arms and seeds) is ``<exp_dir>/reruns/<name>/rl/<arm>/seed<k>/
 ``<name>`` (numerically where the names are numbers).
 
 A run's step overhead (per arm, against native) is the mean over its seeds of the per-seed paired overhead
-(:func:`isoexec.report.tables.paired_times`: the arm's summed step time over native's, over the steps both
-timed). The bootstrap interval of one run (:func:`isoexec.report.tables.bootstrap_interval`) covers the spread of
+(:func:`isoexec.report.stats.paired_times`: the arm's summed step time over native's, over the steps both
+timed). The bootstrap interval of one run (:func:`isoexec.report.stats.bootstrap_interval`) covers the spread of
 that run's steps and seeds, not what changes between runs of the same code an hour apart (the machine's state:
 on the shared 2-core VM, a rerun's isoexec overhead landed 0.4 points outside its run's interval). Two
 prediction intervals for a further run, both ``m +- t(1 - (1 - level) / 2, n - 1) * s * sqrt(1/k + 1/n)`` (t: Student's
@@ -32,7 +32,7 @@ import numpy as np
 import pandas as pd
 
 from isoexec.report.data import MetricsError, discover_runs, load_metrics, run_git_commit
-from isoexec.report.tables import INTERVAL, _ratio_of_sums, arm_sort_key, bootstrap_interval, overhead_cell, paired_times
+from isoexec.report.stats import INTERVAL, arm_sort_key, bootstrap_interval, paired_times, ratio_of_sums
 
 RERUNS = "reruns"
 COLUMNS = ("run", "commit", "arm", "n_seeds", "overhead_pct", "overhead_pct_lo", "overhead_pct_hi", "per_seed_pct",
@@ -83,10 +83,10 @@ def run_dirs(exp_dir: str | Path) -> list[tuple[str, Path]]:
 
 def seed_overheads(times: dict[tuple[str, int], tuple[np.ndarray, np.ndarray]]) -> dict[str, dict[int, float]]:
     """Per arm (not native) and seed: the paired step overhead in percent, from one run's
-    :func:`isoexec.report.tables.paired_times`."""
+    :func:`isoexec.report.stats.paired_times`."""
     out: dict[str, dict[int, float]] = {}
     for (arm, seed), v in times.items():
-        out.setdefault(arm, {})[seed] = 100.0 * (float(_ratio_of_sums(*v)) - 1.0)
+        out.setdefault(arm, {})[seed] = 100.0 * (float(ratio_of_sums(*v)) - 1.0)
     return out
 
 
@@ -155,31 +155,3 @@ def further_run(table: pd.DataFrame) -> dict[str, tuple[float, float, float]]:
     (runs as units)."""
     return {r.arm: (r.overhead_pct, r.predicted_lo, r.predicted_hi)
             for r in table[table["run"] == "further run"].itertuples()}
-
-
-def rerun_display(table: pd.DataFrame) -> tuple[pd.DataFrame, dict[str, str]]:
-    """The reruns table as shown in md/tex (overheads with their intervals in one cell each) and its headers."""
-
-    def interval(lo: float, hi: float) -> str:
-        return "" if math.isnan(lo) else f"[{lo:+.1f}, {hi:+.1f}]"
-
-    def inside(v: object) -> str:
-        return "" if v is None or (isinstance(v, float) and math.isnan(v)) else ("yes" if v else "no")
-
-    shown = pd.DataFrame({
-        "run": table["run"], "commit": table["commit"], "arm": table["arm"],
-        "overhead": [overhead_cell(*v) for v in zip(table["overhead_pct"], table["overhead_pct_lo"],
-                                                     table["overhead_pct_hi"], strict=True)],
-        "per_seed_pct": table["per_seed_pct"],
-        "predicted": [interval(*v) for v in zip(table["predicted_lo"], table["predicted_hi"], strict=True)],
-        "inside": [inside(v) for v in table["inside"]],
-        "pooled": [interval(*v) for v in zip(table["pooled_lo"], table["pooled_hi"], strict=True)],
-        "inside_pooled": [inside(v) for v in table["inside_pooled"]],
-    })
-    headers = {"overhead": "step overhead vs native [the run's own 95% interval]",
-               "per_seed_pct": "per seed (%)",
-               "predicted": "95% prediction from the runs before it (runs as units)",
-               "inside": "inside?",
-               "pooled": "95% prediction, seeds pooled (no run-level shift assumed)",
-               "inside_pooled": "inside?"}
-    return shown, headers

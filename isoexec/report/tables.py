@@ -63,7 +63,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -76,9 +76,9 @@ from isoexec.report.data import (
     provenance_lines,
     report_provenance,
 )
+from isoexec.report.reruns import FURTHER_NOTE, RERUN_NOTE, further_run, rerun_table, run_dirs
+from isoexec.report.stats import arm_sort_key, bootstrap_interval, paired_times, ratio_of_sums, timed_steps
 
-BASELINE_ARM = "native"
-ARM_ORDER = ("native", "isoexec")
 # (metrics key, table column, overhead column) for the timing columns.
 TIME_KEYS: tuple[tuple[str, str, str], ...] = (
     ("time/generation", "time_generation_s", "overhead_generation_pct"),
@@ -162,14 +162,6 @@ SCIENTIFIC = {
 INTEGER = {"mismatch_count", "tokens", "prompt_tokens", "seqs", "seqs_cross_chunk", "seqs_multi_kv_block",
            "seq_len_max", "n_seeds", "n_steps", "seed", "reward_window"}
 REWARD_WINDOW = 10  # steps averaged at each end of a run for reward_first / reward_last (at most half the run)
-BOOTSTRAP_RESAMPLES = 10_000
-BOOTSTRAP_SEED = 0  # the tables are a pure function of the metrics: the resamples are drawn from a fixed seed
-INTERVAL = 0.95
-
-
-def arm_sort_key(arm: str) -> tuple[int, str]:
-    """Sort key: native, isoexec, then any other arm by name."""
-    return (ARM_ORDER.index(arm) if arm in ARM_ORDER else len(ARM_ORDER), arm)
 
 
 def _token_weighted_mean(values: pd.Series, tokens: pd.Series) -> float:
@@ -186,14 +178,6 @@ def _pooled_std(mean: pd.Series, std: pd.Series, tokens: pd.Series) -> float:
         return math.nan
     var = float((tokens * (std**2 + (mean - m) ** 2)).sum() / tokens.sum())
     return math.sqrt(max(var, 0.0))
-
-
-def timed_steps(df: pd.DataFrame) -> pd.DataFrame:
-    """Rows that count for timing: every step but the first of each (arm, seed) run, whose time
-    includes the run's start-up and first-call warm-up; a run of a single step keeps it."""
-    first = df.groupby(["arm", "seed"])["step"].transform("min")
-    n = df.groupby(["arm", "seed"])["step"].transform("count")
-    return df[(df["step"] != first) | (n == 1)]
 
 
 def _optional(g: pd.DataFrame, key: str, how: str) -> float:
@@ -276,59 +260,6 @@ def runs_label(g: pd.DataFrame) -> str:
 # --------------------------------------------------------------------------------------------------
 
 
-def paired_times(df: pd.DataFrame, key: str = "time/step", baseline: str = BASELINE_ARM
-                 ) -> dict[tuple[str, int], tuple[np.ndarray, np.ndarray]]:
-    """Per (arm, seed) of every arm but ``baseline``: its and the baseline's ``key`` seconds over the
-    steps both timed (:func:`timed_steps`; steps whose baseline time is 0 or missing left out), in step
-    order: ``(t_arm [S], t_baseline [S])``."""
-    df = timed_steps(df)
-    base = df[df["arm"] == baseline][["seed", "step", key]].rename(columns={key: "_base"})
-    other = df[df["arm"] != baseline][["arm", "seed", "step", key]]
-    pairs = other.merge(base, on=["seed", "step"], how="inner")
-    pairs = pairs[(pairs["_base"] > 0) & pairs[key].notna()].sort_values(["arm", "seed", "step"])
-    return {(arm, int(seed)): (g[key].to_numpy(float), g["_base"].to_numpy(float))
-            for (arm, seed), g in pairs.groupby(["arm", "seed"], sort=False)}
-
-
-def _ratio_of_sums(t_arm: np.ndarray, t_base: np.ndarray) -> np.ndarray:
-    return t_arm.sum(-1) / t_base.sum(-1)
-
-
-def bootstrap_interval(per_seed: Sequence[tuple[np.ndarray, ...]],
-                       stat: Callable[..., np.ndarray] = _ratio_of_sums,
-                       resamples: int = BOOTSTRAP_RESAMPLES, level: float = INTERVAL) -> tuple[float, float]:
-    """Percentile interval of ``mean over seeds of stat(seed's steps)`` by a two-level bootstrap.
-
-    Each resample draws the seeds with replacement, then, for every drawn seed independently, its steps
-    with replacement (the arrays of a seed share the step draw, so paired times stay paired), and
-    averages ``stat`` over the drawn seeds. The spread of a run's steps and the spread between seeds
-    (which carries what drifts between runs) both enter. Draws come from ``BOOTSTRAP_SEED``.
-
-    Args:
-        per_seed: per seed, arrays of equal length ``[S_i]`` (e.g. the arm's and the baseline's step
-            times, :func:`paired_times`).
-        stat: maps the drawn arrays, each ``[R, S_i]``, to ``[R]`` (default: ratio of the sums).
-        resamples, level: the number of resamples R and the central coverage.
-
-    Returns:
-        ``(low, high)``; NaN, NaN when nothing varies (one seed with fewer than two steps).
-    """
-    n = len(per_seed)
-    if n == 0 or (n == 1 and len(per_seed[0][0]) < 2):
-        return math.nan, math.nan
-    rng = np.random.default_rng(BOOTSTRAP_SEED)
-    seeds = rng.integers(0, n, (resamples, n))  # [R, n]: the seed in each slot of each resample
-    slots = np.empty((n, resamples))
-    for j in range(n):
-        by_seed = np.empty((n, resamples))  # a fresh step draw of every seed for slot j
-        for i, arrays in enumerate(per_seed):
-            steps = rng.integers(0, len(arrays[0]), (resamples, len(arrays[0])))  # one draw for all arrays of the seed
-            by_seed[i] = stat(*(a[steps] for a in arrays))
-        slots[j] = by_seed[seeds[:, j], np.arange(resamples)]
-    lo, hi = np.quantile(slots.mean(0), [(1 - level) / 2, (1 + level) / 2])
-    return float(lo), float(hi)
-
-
 def phase_overhead(df: pd.DataFrame, arm: str, key: str = "time/step",
                    seeds: Sequence[int] | None = None) -> tuple[float, float, float]:
     """``(overhead, low, high)`` in percent of ``arm``'s ``key`` time against native's: for each of ``seeds``
@@ -338,7 +269,7 @@ def phase_overhead(df: pd.DataFrame, arm: str, key: str = "time/step",
     if not runs:
         return math.nan, math.nan, math.nan
     lo, hi = bootstrap_interval(runs)
-    return tuple(100.0 * (x - 1.0) for x in (float(np.mean([_ratio_of_sums(*v) for v in runs])), lo, hi))
+    return tuple(100.0 * (x - 1.0) for x in (float(np.mean([ratio_of_sums(*v) for v in runs])), lo, hi))
 
 
 def _overheads(df: pd.DataFrame, arm: str, seeds: Sequence[int] | None = None) -> dict[str, float]:
@@ -472,6 +403,34 @@ def main_display(summary: pd.DataFrame, further: dict[str, tuple[float, float, f
     return shown, headers
 
 
+def rerun_display(table: pd.DataFrame) -> tuple[pd.DataFrame, dict[str, str]]:
+    """The reruns table as shown in md/tex (overheads with their intervals in one cell each) and its headers."""
+
+    def interval(lo: float, hi: float) -> str:
+        return "" if math.isnan(lo) else f"[{lo:+.1f}, {hi:+.1f}]"
+
+    def inside(v: object) -> str:
+        return "" if v is None or (isinstance(v, float) and math.isnan(v)) else ("yes" if v else "no")
+
+    shown = pd.DataFrame({
+        "run": table["run"], "commit": table["commit"], "arm": table["arm"],
+        "overhead": [overhead_cell(*v) for v in zip(table["overhead_pct"], table["overhead_pct_lo"],
+                                                     table["overhead_pct_hi"], strict=True)],
+        "per_seed_pct": table["per_seed_pct"],
+        "predicted": [interval(*v) for v in zip(table["predicted_lo"], table["predicted_hi"], strict=True)],
+        "inside": [inside(v) for v in table["inside"]],
+        "pooled": [interval(*v) for v in zip(table["pooled_lo"], table["pooled_hi"], strict=True)],
+        "inside_pooled": [inside(v) for v in table["inside_pooled"]],
+    })
+    headers = {"overhead": "step overhead vs native [the run's own 95% interval]",
+               "per_seed_pct": "per seed (%)",
+               "predicted": "95% prediction from the runs before it (runs as units)",
+               "inside": "inside?",
+               "pooled": "95% prediction, seeds pooled (no run-level shift assumed)",
+               "inside_pooled": "inside?"}
+    return shown, headers
+
+
 def _formatted(table: pd.DataFrame) -> list[list[str]]:
     return [[format_value(c, v) for c, v in zip(table.columns, row, strict=True)] for row in table.itertuples(index=False)]
 
@@ -539,8 +498,6 @@ def write_tables(
     Returns:
         the paths written.
     """
-    from isoexec.report.reruns import FURTHER_NOTE, RERUN_NOTE, further_run, rerun_display, rerun_table, run_dirs
-
     exp_dir = Path(exp_dir)
     runs = discover_runs(exp_dir, arms, seeds)
     df = load_metrics(exp_dir, arms, seeds)
