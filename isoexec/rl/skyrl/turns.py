@@ -7,7 +7,7 @@ threads take turns. SkyRL 0.4's loop (``skyrl/train/trainer.py``, ``RayPPOTraine
 weight sync is inside the step): the callback waits for the arm's turn in ``on_step_start`` and hands the
 turn on in ``on_log``, so no arm ever waits inside a timed phase and no two arms' steps overlap. A slow
 stretch of the machine then lands on neighbouring steps of every arm, and the overhead paired per step
-(:func:`isoexec.report.tables.paired_times`) cancels it.
+(:func:`isoexec.report.stats.paired_times`) cancels it.
 
 The first step waits until every arm has reached it (start-ups and the first weight syncs, which run
 outside the steps, never overlap a timed step). An arm whose run ends or fails leaves the rotation; when
