@@ -34,6 +34,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from isoexec.bench.timing_gpu import capture_graph
+
 
 def _shapes(model, tag: str) -> list[tuple[str, int, int, int]]:
     """(name, M, K, N) of the row-parallel GEMMs of ``model`` (a ModelSection), trainer and decode rows."""
@@ -66,17 +68,7 @@ def _time_graph(fn, calls: int = 10) -> float:
     """Per-call milliseconds of ``calls`` calls of ``fn`` replayed from one CUDA graph (NCCL included);
     NaN when the capture fails."""
     try:
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            fn()
-        torch.cuda.current_stream().wait_stream(s)
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for _ in range(calls):
-                fn()
-        return _time(g.replay, reps=10, warmup=2) / calls
+        return _time(capture_graph([fn], calls).replay, reps=10, warmup=2) / calls
     except Exception as e:  # report, do not fail the table
         print(f"graph capture failed: {type(e).__name__}: {e}", flush=True)
         return float("nan")

@@ -1,8 +1,8 @@
 """Timing on one CUDA device for the GPU benchmarks: the median event-timed wall time of a call
 (``triton.testing.do_bench``), its summed kernel time (torch.profiler), the time per call replayed from one
 CUDA graph, and the device's measured bf16 GEMM rate and copy bandwidth. It writes no CSV of its own: the
-tables of :mod:`isoexec.bench.kernels_gpu`, :mod:`isoexec.bench.cpr_gpu` and :mod:`isoexec.bench.variants_gpu`
-time with it, and the ceilings go to ``provenance.json`` and the ceiling fractions of ``kernel_bench.csv``."""
+tables of :mod:`isoexec.bench.kernels_gpu`, :mod:`isoexec.bench.cpr_gpu`, :mod:`isoexec.bench.variants_gpu` and
+:mod:`isoexec.bench.pik_gpu` time with it, and the ceilings go to ``provenance.json`` and the ceiling fractions of ``kernel_bench.csv``."""
 
 from __future__ import annotations
 
@@ -34,10 +34,9 @@ def device_ms(fn, reps: int = 20) -> float:
     return total_us / 1e3 / reps
 
 
-def bench_graph(fns, rounds: int = 2) -> float:
-    """Milliseconds per call of the calls ``fns`` (run in turn, ``rounds`` times) replayed from one CUDA
-    graph: the GPU time of launch-bound calls, as an engine that captures its decode step sees them.
-    Pass several calls on distinct weights so that repeated replays do not run from L2."""
+def capture_graph(fns, rounds: int) -> torch.cuda.CUDAGraph:
+    """One CUDA graph of the calls ``fns`` run in turn ``rounds`` times, captured after one warm-up call of each on
+    a side stream (allocations and lazy initialisation done outside the capture)."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -50,7 +49,14 @@ def bench_graph(fns, rounds: int = 2) -> float:
         for _ in range(rounds):
             for f in fns:
                 f()
-    return bench(g.replay) / (rounds * len(fns))
+    return g
+
+
+def bench_graph(fns, rounds: int = 2) -> float:
+    """Milliseconds per call of the calls ``fns`` (run in turn, ``rounds`` times) replayed from one CUDA
+    graph: the GPU time of launch-bound calls, as an engine that captures its decode step sees them.
+    Pass several calls on distinct weights so that repeated replays do not run from L2."""
+    return bench(capture_graph(fns, rounds).replay) / (rounds * len(fns))
 
 
 def ceilings() -> dict:
