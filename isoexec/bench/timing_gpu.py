@@ -2,7 +2,8 @@
 (``triton.testing.do_bench``), its summed kernel time (torch.profiler), the time per call replayed from one
 CUDA graph, and the device's measured bf16 GEMM rate and copy bandwidth. It writes no CSV of its own: the
 tables of :mod:`isoexec.bench.kernels_gpu`, :mod:`isoexec.bench.cpr_gpu`, :mod:`isoexec.bench.variants_gpu` and
-:mod:`isoexec.bench.pik_gpu` time with it, and the ceilings go to ``provenance.json`` and the ceiling fractions of ``kernel_bench.csv``."""
+:mod:`isoexec.bench.pik_gpu` time with it, and the ceilings go to ``provenance.json`` and the ceiling fractions of
+``kernel_bench.csv``."""
 
 from __future__ import annotations
 
