@@ -72,19 +72,14 @@ def test_leaf_gemm_in_register_tree_keeps_every_addition_for_sm90(leaf_k, loop):
 
 def _dot_waits(loop: str) -> list[int]:
     """The ``pendings`` of every tensor-core wait in the sm90 TTGIR of the leaf GEMM with ``loop``, compiled as the
-    JIT specializes it (16-byte aligned pointers and strides), the pinned h200 tiles 64x64x64, 4 warps, 4 stages."""
-    from triton.backends.compiler import GPUTarget
-
+    JIT specializes it (:func:`isoexec.bench.sm90_compile.compile_sm90`), the pinned h200 tiles 64x64x64, 4 warps,
+    4 stages."""
+    from isoexec.bench.sm90_compile import LEAF_SIGNATURE, compile_sm90
     from isoexec.kernels.gemm.triton import _leaf_gemm_kernel
 
     consts = {"LEAF_K": 512, "LPP": 8, "LOOP": loop, "GROUPED": False, "BM": 64, "BN": 64, "BK": 64, "GM": 8,
               "PREC": "ieee"}
-    attrs = {(_leaf_gemm_kernel.arg_names.index(a),): [["tt.divisibility", 16]]
-             for a, t in _LEAF_SIG.items() if t.startswith("*") or a.startswith("stride") or a == "N"}
-    src = triton.compiler.ASTSource(fn=_leaf_gemm_kernel, signature={**_LEAF_SIG, **{c: "constexpr" for c in consts}},
-                                    constexprs=consts, attrs=attrs)
-    ttgir = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 4}).asm["ttgir"]
-    return [int(p) for p in re.findall(r"warp_group_dot_wait .*pendings = (\d+)", ttgir)]
+    return [int(p) for p in compile_sm90(_leaf_gemm_kernel, LEAF_SIGNATURE, consts, 4, 4)["dot_waits"].split(";")]
 
 
 def test_paired_leaf_loop_keeps_two_tensor_core_dots_in_flight_for_sm90():

@@ -4,8 +4,9 @@ and tile choice before it is timed.
 ``python -m isoexec.bench.sm90_compile --out results/h200/leaf_gemm/sm90_compile/compile.csv``
 
 Each candidate (``pik_loop``, tiles BM x BN x BK, warps, stages, leaves per program) is compiled by Triton for sm90
-as its JIT specializes a launch (16-byte aligned pointers and strides), and its PTX assembled by the ptxas that Triton
-bundles (``-arch=sm_90a -v``). One CSV row per candidate:
+as its JIT specializes a launch at the model's shapes (16-byte aligned pointers; the integer arguments it specializes
+multiples of 16), and its PTX assembled by the ptxas that Triton bundles (``-arch=sm_90a -v``). One CSV row per candidate, after two rows of the column GEMM's program (``loop``
+``column``) for reference:
 
 * ``registers``, ``spill_store_bytes``, ``spill_load_bytes``: per thread, from ptxas; ``shared_bytes``: Triton's
   shared memory per program (the pipeline's stages of operand tiles);
@@ -52,8 +53,11 @@ def compile_sm90(fn, signature: dict[str, str], constexprs: dict, num_warps: int
     from triton.backends.compiler import GPUTarget
     from triton.backends.nvidia.compiler import get_ptxas
 
-    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]]  # what the JIT assumes of aligned tensors
-             for a, t in signature.items() if t.startswith("*") or a.startswith("stride") or a == "N"}
+    # what the JIT assumes of a launch at the model's shapes: 16-byte aligned tensors, and every integer it
+    # specializes (all but ``do_not_specialize``: row counts, kpl) a multiple of 16
+    skip = {p.name for p in fn.params if p.do_not_specialize}
+    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]]
+             for a, t in signature.items() if t.startswith("*") or (t == "i32" and a not in skip)}
     src = triton.compiler.ASTSource(fn=fn, signature={**signature, **{c: "constexpr" for c in constexprs}},
                                     constexprs=constexprs, attrs=attrs)
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": num_stages})
@@ -74,6 +78,25 @@ def compile_sm90(fn, signature: dict[str, str], constexprs: dict, num_warps: int
             "dots": len(re.findall(r"warp_group_dot ", ttgir)),
             "dot_waits": ";".join(re.findall(r"warp_group_dot_wait .*pendings = (\d+)", ttgir)),
             "async_loads": len(re.findall(r"async_copy_global_to_local", ttgir))}
+
+
+COLUMN_SIGNATURE = {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32",
+                    "stride_xm": "i32", "stride_wn": "i32", "stride_ym": "i32", "stride_we": "i32",
+                    "tile_e_ptr": "*i32", "tile_r0_ptr": "*i32", "tile_r1_ptr": "*i32", "n_tiles": "i32"}
+
+
+def column_rows() -> list[dict]:
+    """The reference: the column GEMM's tile program (no leaves, one K loop; ``tiled``) at the leaf GEMM's pinned tiles
+    and at the column GEMM's, compiled by :func:`compile_sm90`."""
+    from isoexec.kernels.gemm.triton import _gemm_kernel
+
+    rows = []
+    for bm, bn, bk, nw, ns in ((64, 64, 64, 4, 4), (128, 128, 64, 8, 3)):
+        consts = {"GROUPED": False, "BM": bm, "BN": bn, "BK": bk, "GM": 8, "PREC": "ieee"}
+        rows.append({"loop": "column", "tiles": f"{bm}x{bn}x{bk}", "num_warps": nw, "num_stages": ns,
+                     "leaves_per_program": None, "leaf_k": None,
+                     **compile_sm90(_gemm_kernel, COLUMN_SIGNATURE, consts, nw, ns)})
+    return rows
 
 
 def leaf_rows(leaf_k: int = 512) -> list[dict]:
@@ -106,7 +129,7 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    write_csv(out, leaf_rows())
+    write_csv(out, column_rows() + leaf_rows())
     from triton.backends.nvidia.compiler import get_ptxas_version
 
     prov = {**provenance(), "triton_imported": triton.__version__, "triton_path": triton.__file__,
