@@ -328,7 +328,8 @@ def run(config: str, out: str, steps: int = 2, prompt_len: int = 128,
     ``rl.max_new_tokens`` (a shorter smoke run).
 
     Raises:
-        ValueError: an ``engine`` other than "harness" or "vllm", no set, or a set other than "isoexec" or "native".
+        ValueError: an ``engine`` other than "harness" or "vllm", no set, a set other than "isoexec" or "native", or
+            ``steps``, ``prompt_len`` or ``new_tokens`` below 1.
     """
     from isoexec.config import load_config
     from isoexec.io import atomic_write_text, write_csv
@@ -337,6 +338,9 @@ def run(config: str, out: str, steps: int = 2, prompt_len: int = 128,
 
     if engine not in ("harness", "vllm"):
         raise ValueError(f"--engine {engine!r}: expected 'harness' or 'vllm'")
+    for name, value in (("--steps", steps), ("--prompt-len", prompt_len), ("--new-tokens", new_tokens)):
+        if value is not None and value < 1:
+            raise ValueError(f"{name} {value}: must be >= 1")
     if not sets or any(ks not in ("isoexec", "native") for ks in sets):
         raise ValueError(f"--sets {','.join(sets)!r}: expected one or both of 'isoexec', 'native'")
     cfg = load_config(config)
@@ -388,9 +392,9 @@ def summarize(rows: list[dict], sets, engine: str, synced: bool, cfg, rl, prompt
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     p.add_argument("--config", default="experiments/h200-rlstep.yaml")
-    p.add_argument("--out", default="results/h200/rl_step.csv")
+    p.add_argument("--out", default="results/h200/rl_step.csv", help="CSV path; provenance beside it (default: %(default)s)")
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--sets", default="isoexec,native")

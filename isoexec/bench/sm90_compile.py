@@ -100,14 +100,15 @@ def column_rows() -> list[dict]:
 
 
 def leaf_rows(leaf_k: int = 512) -> list[dict]:
-    """Every loop shape x :data:`TILES` x 8, 4, 2 leaves per program of the bf16 leaf GEMM (leaves of ``leaf_k``
-    features: h200-rlstep's 4096 / 8), compiled by :func:`compile_sm90`."""
+    """The bf16 leaf GEMM (leaves of ``leaf_k`` features: h200-rlstep's 4096 / 8) compiled by :func:`compile_sm90` at
+    every :data:`TILES`: the one-leaf program of the split launch (``unrolled``, 1 leaf), then the flat and paired
+    loops at 8, 4 and 2 leaves per program."""
     from isoexec.kernels.gemm.triton import _leaf_gemm_kernel
 
     rows = []
-    for loop in ("flat", "paired"):
+    for loop, counts in (("unrolled", (1,)), ("flat", (8, 4, 2)), ("paired", (8, 4, 2))):
         for bm, bn, bk, nw, ns in TILES:
-            for lpp in (8, 4, 2):
+            for lpp in counts:
                 consts = {"LEAF_K": leaf_k, "LPP": lpp, "LOOP": loop, "GROUPED": False, "BM": bm, "BN": bn, "BK": bk,
                           "GM": 8, "PREC": "ieee"}
                 rows.append({"loop": loop, "tiles": f"{bm}x{bn}x{bk}", "num_warps": nw, "num_stages": ns,
@@ -124,10 +125,12 @@ def main(argv: list[str] | None = None) -> None:
     from isoexec.io import atomic_write_text, write_csv
     from isoexec.provenance import provenance
 
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     p.add_argument("--out", required=True, help="CSV path; provenance.json is written beside it")
     a = p.parse_args(argv)
     out = Path(a.out)
+    if out.is_dir():
+        p.error(f"--out {out}: a folder; give the CSV's path (e.g. {out / 'compile.csv'})")
     out.parent.mkdir(parents=True, exist_ok=True)
     write_csv(out, column_rows() + leaf_rows())
     from triton.backends.nvidia.compiler import get_ptxas_version

@@ -55,7 +55,7 @@ def parse_shape(text: str, group: int) -> tuple[int, int, int]:
     """``"SEQSxPROMPT+NEW"`` -> (sequences, prompt tokens, new tokens).
 
     Raises:
-        ValueError: another form, a value below 1, or SEQS not a multiple of ``group``.
+        ValueError: another form, a value below 1, ``group`` below 1, or SEQS not a multiple of ``group``.
     """
     try:
         seqs, rest = text.split("x")
@@ -63,6 +63,8 @@ def parse_shape(text: str, group: int) -> tuple[int, int, int]:
         s, p, n = int(seqs), int(prompt), int(new)
     except ValueError:
         raise ValueError(f"--gen shape {text!r}: expected SEQSxPROMPT+NEW, e.g. 256x128+512") from None
+    if group < 1:
+        raise ValueError(f"--group {group}: samples per prompt must be >= 1")
     if min(s, p, n) < 1 or s % group:
         raise ValueError(f"--gen shape {text!r}: every value must be >= 1 and SEQS a multiple of --group {group}")
     return s, p, n
@@ -257,8 +259,8 @@ def score_all(plan: Plan, ckpt: Path) -> list[dict[str, Any]]:
 def run(config: str, out: str, work: str, shapes: list[str], group: int, deadline_s: float) -> None:
     from isoexec.provenance import provenance
 
+    parsed = [parse_shape(s, group) for s in shapes]  # before Plan makes the folders
     plan = Plan(config, Path(out), Path(work), deadline_s)
-    parsed = [parse_shape(s, group) for s in shapes]
     _write(plan, "provenance.json", {"provenance": provenance(), "config": config, "shapes": shapes, "group": group,
                                      "kernels": plan.cfg.kernels.model_dump(mode="json")})
     ckpt = make_checkpoint(plan.cfg, plan.work / f"{plan.cfg.name}-checkpoint")
@@ -292,7 +294,7 @@ def run(config: str, out: str, work: str, shapes: list[str], group: int, deadlin
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     p.add_argument("--config", required=True, help="experiment YAML (device cuda on the GPU node)")
     p.add_argument("--out-dir", required=True, help="folder for the CSV/JSON results and profile/")
     p.add_argument("--work", default="/tmp/isoexec-vllm-gpu", help="folder for the checkpoint and samples (large)")
