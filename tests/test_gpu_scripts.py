@@ -60,3 +60,12 @@ def test_vllm_job_outside_gpu_node_start_is_refused_in_one_line():
                        cwd=ROOT, env=env, timeout=60)
     assert r.returncode != 0 and "run through gpu_node.sh start (JOB_OUT)" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_vllm_job_refuses_an_unknown_stage_before_running_any(tmp_path):
+    """``STAGES`` is checked whole before the first stage starts: a typo costs no device time."""
+    env = {**os.environ, "JOB_OUT": str(tmp_path), "STAGES": "vllm rlstpe"}
+    r = subprocess.run(["bash", str(ROOT / "workflow" / "scripts" / "gpu_vllm_job.sh")], capture_output=True, text=True,
+                       cwd=ROOT, env=env, timeout=60)
+    assert r.returncode == 2 and "unknown stage 'rlstpe'; allowed: tests vllm rlstep leaf" in r.stdout
+    assert list(tmp_path.iterdir()) == []  # nothing ran, not even the utilisation log

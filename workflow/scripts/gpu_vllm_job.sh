@@ -10,27 +10,40 @@
 #    only takes device time the stages above left)                    -> $JOB_OUT/leaf_variants/, leaf_variants.log
 # and nvidia-smi's utilisation every 5 s (gpu_util.csv). Settings: CONFIG (experiments/h200-rlstep.yaml), GEN (the
 # generation shapes), DEADLINE (vllm_gpu's --deadline-s), T_TESTS / T_VLLM / T_RLSTEP / T_LEAF (time limits, s;
-# T_LEAF=0 skips stage 4). Exit status: the last failing stage's; every stage runs whatever the others did.
+# T_LEAF=0 skips stage 4), STAGES (which stages, in the order given: "tests vllm rlstep leaf"; with little device
+# time left, e.g. "vllm rlstep tests leaf"). Exit status: the last failing stage's; every stage runs whatever the
+# others did.
 set -uo pipefail
 O=${JOB_OUT:?run through gpu_node.sh start (JOB_OUT)}
 CONFIG=${CONFIG:-experiments/h200-rlstep.yaml}
 NAME=$(basename "$CONFIG" .yaml)
+STAGES=${STAGES:-tests vllm rlstep leaf}
+for stage in $STAGES; do
+  case $stage in tests|vllm|rlstep|leaf) ;; *) echo "gpu_vllm_job: STAGES: unknown stage '$stage'; allowed: tests vllm rlstep leaf"; exit 2 ;; esac
+done
 s=0
 nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used --format=csv -l 5 > "$O/gpu_util.csv" 2>/dev/null &
-timeout "${T_TESTS:-220}" python3 -m pytest -q -p no:cacheprovider tests/test_decode_graphs.py tests/test_kernels_triton.py \
-  > "$O/gpu_tests.log" 2>&1 || s=$?
-tail -n 3 "$O/gpu_tests.log"
-timeout "${T_VLLM:-780}" python3 -m isoexec.bench.vllm_gpu --config "$CONFIG" --out-dir "$O/$NAME" \
-  --gen "${GEN:-32x128+128,256x128+512,32x128+1024}" --deadline-s "${DEADLINE:-540}" > "$O/vllm_gpu.log" 2>&1 || s=$?
-grep -o '"stage": "[a-z_]*"' "$O/vllm_gpu.log" | sort | uniq -c
-# the same --work as vllm_gpu's default: the random checkpoint is made once
-timeout "${T_RLSTEP:-840}" python3 -m isoexec.bench.rl_step --config "$CONFIG" --engine vllm --out "$O/rl_step.csv" \
-  --work /tmp/isoexec-vllm-gpu > "$O/rl_step.log" 2>&1 || s=$?
-grep '^{' "$O/rl_step.log" | cut -c1-300
-if [ "${T_LEAF:-300}" -gt 0 ]; then
+tests() {
+  timeout "${T_TESTS:-220}" python3 -m pytest -q -p no:cacheprovider tests/test_decode_graphs.py tests/test_kernels_triton.py \
+    > "$O/gpu_tests.log" 2>&1 || s=$?
+  tail -n 3 "$O/gpu_tests.log"
+}
+vllm() {
+  timeout "${T_VLLM:-780}" python3 -m isoexec.bench.vllm_gpu --config "$CONFIG" --out-dir "$O/$NAME" \
+    --gen "${GEN:-32x128+128,256x128+512,32x128+1024}" --deadline-s "${DEADLINE:-540}" > "$O/vllm_gpu.log" 2>&1 || s=$?
+  grep -o '"stage": "[a-z_]*"' "$O/vllm_gpu.log" | sort | uniq -c
+}
+rlstep() {  # the same --work as vllm_gpu's default: the random checkpoint is made once
+  timeout "${T_RLSTEP:-840}" python3 -m isoexec.bench.rl_step --config "$CONFIG" --engine vllm --out "$O/rl_step.csv" \
+    --work /tmp/isoexec-vllm-gpu > "$O/rl_step.log" 2>&1 || s=$?
+  grep '^{' "$O/rl_step.log" | cut -c1-300
+}
+leaf() {
+  [ "${T_LEAF:-300}" -gt 0 ] || return 0
   ISOEXEC_VARIANTS=leaf timeout "${T_LEAF:-300}" python3 -m isoexec.bench.gpu variants --config experiments/h200.yaml \
     --extra-config experiments/h200-rlstep.yaml --out-dir "$O/leaf_variants" > "$O/leaf_variants.log" 2>&1 || s=$?
   tail -n 3 "$O/leaf_variants.log"
-fi
+}
+for stage in $STAGES; do echo "gpu_vllm_job: $stage ($(date -u +%T))"; $stage; done
 kill %1 2>/dev/null
 exit $s
