@@ -227,3 +227,21 @@ def test_an_init_checkpoint_of_another_model_is_refused_naming_the_settings(tmp_
 
     assert section_mismatches(cfg.model, ckpt) == []  # the negative control: its own section agrees
     assert not out.exists()
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the refusal is of a GPU experiment on a machine without one")
+@pytest.mark.parametrize("argv, needle", [
+    (["isoexec.bench.rl_step", "--config", "experiments/h200-rlstep.yaml"], "device: cuda, but this machine has no CUDA"),
+    (["isoexec.bench.vllm_gpu", "--config", "experiments/h200-rlstep.yaml", "--out-dir", "OUT"], "device: cuda, but this machine"),
+    (["isoexec.bench.gpu", "variants", "--config", "experiments/h200.yaml"], "device: cuda, but this machine has no CUDA"),
+    (["isoexec.bench.gpu", "variants", "--config", "experiments/ci-tiny.yaml"], "device: cpu; the GPU benchmarks need"),
+    (["isoexec.bench.rl_step", "--config", "experiments/ci-tiny.yaml", "--steps", "0"], "--steps 0: must be >= 1"),
+])
+def test_gpu_benchmarks_refuse_a_config_this_machine_cannot_run_in_one_line(tmp_path, argv, needle):
+    """The GPU benchmarks' modules refuse like the CLI: one `error:` line, exit 2, before they write anything."""
+    argv = [str(tmp_path / "out") if a == "OUT" else a for a in argv]
+    r = subprocess.run([sys.executable, "-m", *argv], capture_output=True, text=True, cwd=ROOT, timeout=300,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.startswith("error: ") and r.stderr.count("\n") == 1 and needle in r.stderr, r.stderr
+    assert not (tmp_path / "out").exists()

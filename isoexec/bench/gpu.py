@@ -70,15 +70,21 @@ def gpu_bench_command(config: str = "experiments/h200.yaml", out_dir: str | None
     ``what``: ``variants`` (candidate launch constants side by side with their bitwise checks, for the
     deployment to pin in ``kernels.triton``), ``gates``, ``profile`` (CPR breakdown), ``kernels`` /
     ``cpr`` / ``model`` / ``conv`` (one benchmark table each; conv: ``conv_pieces.csv``), ``bench`` (the three), ``all`` (gates + bench).
-    Every stage runs with the constants of the config it is given."""
-    from isoexec.config import load_config
+    Every stage runs with the constants of the config it is given.
+
+    Raises:
+        ValueError: a config whose ``device`` is not cuda, or ``device: cuda`` where torch sees no CUDA device.
+    """
+    from isoexec.config import check_device, load_config
     from isoexec.io import atomic_write_text, write_csv
     from isoexec.provenance import provenance
 
     cfg = load_config(config)
     extra = [load_config(c) for c in extra_configs]
-    if cfg.device != "cuda" or not torch.cuda.is_available():
-        raise SystemExit(f"{config}: needs device: cuda and a visible CUDA device (torch.cuda.is_available()={torch.cuda.is_available()})")
+    if cfg.device != "cuda":
+        raise ValueError(f"{config}: device: {cfg.device}; the GPU benchmarks need an experiment with device: cuda "
+                         "(experiments/h200.yaml)")
+    check_device(cfg, config)
     out = Path(out_dir) if out_dir else cfg.out_dir
     out.mkdir(parents=True, exist_ok=True)
     prov_path = out / "provenance.json"
@@ -135,5 +141,9 @@ if __name__ == "__main__":
     p.add_argument("--extra-config", action="append", default=[], help="another experiment whose shapes the GEMM and attention rows add")
     p.add_argument("--out-dir", default=None)
     a = p.parse_args()
-    gpu_bench_command(a.config, a.out_dir, a.what, tuple(a.extra_config))
+    try:
+        gpu_bench_command(a.config, a.out_dir, a.what, tuple(a.extra_config))
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
     sys.exit(0)

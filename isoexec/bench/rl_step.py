@@ -318,20 +318,21 @@ def vllm_arm(config: str, cfg, kernel_set: str, checkpoint: str, prompts: list[t
     return rows, arm
 
 
-def run(config: str, out: str, steps: int = 2, prompt_len: int = 128,
+def run(config: str, out: str | None, steps: int = 2, prompt_len: int = 128,
         sets: tuple[str, ...] = ("isoexec", "native"), new_tokens: int | None = None, engine: str = "harness",
         work: str = "/tmp/isoexec-rl-step", log=print) -> list[dict]:
     """Both kernel sets, one after the other, on the harness (``engine="harness"``: the unified model's own
     generation loop in both) or with vLLM as the engine (``engine="vllm"``: :func:`vllm_arm`; the random checkpoint
-    of :func:`make_checkpoint` in ``work``); writes the CSV and its provenance after every arm
+    of :func:`make_checkpoint` in ``work``); writes the CSV (``out``; None: ``runs/<experiment>/rl_step.csv``)
+    and its provenance after every arm
     (an arm that fails keeps the other's rows) and returns the CSV's rows. ``new_tokens`` overrides
     ``rl.max_new_tokens`` (a shorter smoke run).
 
     Raises:
         ValueError: an ``engine`` other than "harness" or "vllm", no set, a set other than "isoexec" or "native", or
-            ``steps``, ``prompt_len`` or ``new_tokens`` below 1.
+            ``steps``, ``prompt_len`` or ``new_tokens`` below 1, or ``device: cuda`` where torch sees no CUDA device.
     """
-    from isoexec.config import load_config
+    from isoexec.config import check_device, load_config
     from isoexec.io import atomic_write_text, write_csv
     from isoexec.model.hf import hf_config
     from isoexec.provenance import provenance
@@ -344,6 +345,8 @@ def run(config: str, out: str, steps: int = 2, prompt_len: int = 128,
     if not sets or any(ks not in ("isoexec", "native") for ks in sets):
         raise ValueError(f"--sets {','.join(sets)!r}: expected one or both of 'isoexec', 'native'")
     cfg = load_config(config)
+    check_device(cfg, config)
+    out = out or f"runs/{cfg.name}/rl_step.csv"
     rl = cfg.rl if new_tokens is None else cfg.rl.model_copy(update={"max_new_tokens": new_tokens})
     gen = torch.Generator().manual_seed(0)
     vocab = hf_config(cfg.model).vocab_size
@@ -394,7 +397,7 @@ def summarize(rows: list[dict], sets, engine: str, synced: bool, cfg, rl, prompt
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     p.add_argument("--config", default="experiments/h200-rlstep.yaml")
-    p.add_argument("--out", default="results/h200/rl_step.csv", help="CSV path; provenance beside it (default: %(default)s)")
+    p.add_argument("--out", default=None, help="CSV path; provenance beside it (default: runs/<experiment>/rl_step.csv)")
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--sets", default="isoexec,native")

@@ -11,7 +11,7 @@ One run, one experiment config:
 2. **Engines**, each a :class:`~isoexec.engines.vllm_engine.RolloutEngine` in its own process
    (:mod:`isoexec.bench.workers`), all alive at once: ``native`` (vLLM's built-in Qwen3-Next at its best
    settings on the GPU: torch.compile and CUDA graphs, FlashAttention, its Triton GDN and fused MoE),
-   ``isoexec`` (the plugin, eager; same scheduler settings) and ``isoexec-check`` (the plugin under a
+   ``isoexec`` (the plugin: vLLM's own CUDA graphs off, the plugin's decode graphs on; same scheduler settings) and ``isoexec-check`` (the plugin under a
    small token budget and a KV block budget that forces preemption). Their start times are recorded.
 3. **Generation cost** (``gen_cost.csv``): for each ``--gen`` shape (``SEQSxPROMPT+NEW``: SEQS sequences =
    SEQS / ``--group`` prompts of PROMPT random tokens, each sampled ``--group`` times, NEW tokens each,
@@ -74,9 +74,10 @@ class Plan:
     """The run's state: config, output folder, clock and the rows written so far."""
 
     def __init__(self, config: str, out: Path, work: Path, deadline_s: float, log=print) -> None:
-        from isoexec.config import load_config
+        from isoexec.config import check_device, load_config
 
         self.config, self.cfg, self.out, self.work = config, load_config(config), out, work
+        check_device(self.cfg, config)
         self.t0, self.deadline_s, self.log = time.monotonic(), deadline_s, log
         self.cuda = self.cfg.device == "cuda"
         out.mkdir(parents=True, exist_ok=True)
