@@ -321,3 +321,62 @@ def test_moe_experts_run_without_host_sync_and_replay_in_a_cuda_graph(split_rows
             want = _experts(x, ids, ex, cfg, 8)
             assert torch.equal(out, want)
             assert _rel(want, experts_reference(x, ids, ex)) < 2e-2
+
+
+# ------------------------------------------------------------------ hardware facts a chunkwise in-chunk CPR needs
+# Issue 37's plan for a faster CPR (results/h200/README.md) computes a token's in-chunk output as a row of one
+# 64-row tile product, in the trainer (all rows real) and in decode (row t real, later rows zero or stale). That
+# holds only if (1) a row of a tile dot does not depend on the tile's other rows and (2) products that are exact
+# zeros change no bit of the row. Probed here at the chunk's tile shape, through wgmma (bf16, tf32) and the FMA
+# path (fp32 ieee); the negative control shows a split K reduction does change bits, so the check can fail.
+def _tile_dot_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def tile_dot(a_ptr, b_ptr, c_ptr, K: tl.constexpr, N: tl.constexpr, PREC: tl.constexpr):
+        r, k, n = tl.arange(0, 64), tl.arange(0, K), tl.arange(0, N)
+        a = tl.load(a_ptr + r[:, None] * K + k[None, :])
+        b = tl.load(b_ptr + k[:, None] * N + n[None, :])
+        tl.store(c_ptr + r[:, None] * N + n[None, :], tl.dot(a, b, input_precision=PREC))
+
+    def run(a, b, prec):
+        c = torch.empty(64, b.shape[1], device=a.device, dtype=torch.float32)
+        tile_dot[(1,)](a, b, c, K=a.shape[1], N=b.shape[1], PREC=prec)
+        return c
+
+    return run
+
+
+PRECISIONS = [(torch.bfloat16, "tf32"), (torch.float32, "tf32"), (torch.float32, "ieee")]
+
+
+@pytest.mark.parametrize("dtype, prec", PRECISIONS)
+def test_tile_dot_row_bits_do_not_depend_on_the_other_rows(dtype, prec):
+    dot = _tile_dot_kernel()
+    a, b = torch.randn(64, 128, device=DEV).to(dtype), torch.randn(128, 128, device=DEV).to(dtype)
+    ref = dot(a, b, prec)
+    for t in (0, 17, 63):
+        for other in (torch.zeros_like(a), torch.randn_like(a, dtype=torch.float32).to(dtype) * 1e3):
+            a2 = other.clone()
+            a2[t] = a[t]
+            assert torch.equal(dot(a2, b, prec)[t], ref[t]), (t, dtype, prec)
+
+
+@pytest.mark.parametrize("dtype, prec", PRECISIONS)
+def test_tile_dot_exact_zero_products_change_no_bit_and_a_split_reduction_does(dtype, prec):
+    dot = _tile_dot_kernel()
+    # the in-chunk form: row t of (causally masked scores [64, 64]) @ (values [64, 128]); decode has values for
+    # rows <= t only, the trainer has all 64: the masked scores make the later rows' products exact zeros
+    p = torch.randn(64, 64, device=DEV).tril().to(dtype)
+    v = torch.randn(64, 128, device=DEV).to(dtype)
+    full = dot(p, v, prec)
+    for t in (0, 17, 40, 63):
+        v_dec = v.clone()
+        v_dec[t + 1:] = 0
+        p_dec = p.clone()
+        p_dec[t + 1:] = 0  # decode's other rows: not computed yet
+        assert torch.equal(dot(p_dec, v_dec, prec)[t], full[t]), (t, dtype, prec)
+    # negative control: the same products summed in two halves of K and added outside the dot
+    split = dot(p[:, :32].contiguous(), v[:32].contiguous(), prec) + dot(p[:, 32:].contiguous(), v[32:].contiguous(), prec)
+    assert torch.allclose(split, full, rtol=1e-2, atol=1e-2) and not torch.equal(split, full)
