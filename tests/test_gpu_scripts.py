@@ -67,5 +67,5 @@ def test_vllm_job_refuses_an_unknown_stage_before_running_any(tmp_path):
     env = {**os.environ, "JOB_OUT": str(tmp_path), "STAGES": "vllm rlstpe"}
     r = subprocess.run(["bash", str(ROOT / "workflow" / "scripts" / "gpu_vllm_job.sh")], capture_output=True, text=True,
                        cwd=ROOT, env=env, timeout=60)
-    assert r.returncode == 2 and "unknown stage 'rlstpe'; allowed: tests vllm rlstep leaf" in r.stdout
+    assert r.returncode == 2 and "unknown stage 'rlstpe'; allowed: tests vllm rlstep leaf chunkwise" in r.stdout
     assert list(tmp_path.iterdir()) == []  # nothing ran, not even the utilisation log

@@ -210,6 +210,30 @@ def test_cpr_decode_matches_trainer_across_chunk_boundaries_bitwise():
     assert torch.equal(torch.cat(outs), o)
 
 
+
+def test_chunkwise_candidate_decode_rows_equal_its_trainer_rows_and_differ_from_the_scan():
+    """Issue 37's chunkwise in-chunk output (not in the kernel set): decode's form of a token (the open chunk's rows
+    0..t and its entry state, one 64-row tile) gives the trainer's row bit for bit on the GPU's dots; its outputs are
+    the recurrence to tf32 accuracy and not the recurrent scan's bits (negative control: a new contract constant)."""
+    from isoexec.kernels.gdn.reference import recurrent_reference
+    from isoexec.kernels.gdn.triton import cpr_gdn
+    from isoexec.kernels.gdn.triton_chunkwise import _prep_and_chain, chunkwise_forward, open_chunk_rows
+
+    C, T = 64, 256
+    q, k, v, g, b = _gdn_inputs(T)
+    o = chunkwise_forward(q, k, v, g, b, [T], C, CFG)
+    ref, _ = recurrent_reference(q.cpu(), k.cpu(), v.cpu(), g.cpu(), b.cpu())
+    assert _rel(o.cpu(), ref.float()) < 1e-3
+    o_scan, _ = cpr_gdn(q, k, v, g, b, [T], [None], C, CFG, keep_state=False)
+    assert not torch.equal(o, o_scan)
+    c = 2  # chunk 2: its entry state is the chain's after chunks 0 and 1
+    meta = torch.tensor([[0, 0, 0], [C, 0, 0]], dtype=torch.int32, device=DEV)
+    _, _, E = _prep_and_chain(k, v, g, b, meta, torch.tensor([[0, 2, -1, 0]], dtype=torch.int32, device=DEV), 2, C, CFG)
+    chunk = [x[c * C:(c + 1) * C] for x in (q, k, v, g, b)]
+    for t in (0, 17, 40, 63):
+        assert torch.equal(open_chunk_rows(*chunk, E[1:2], [t], C, CFG)[0], o[c * C + t]), t
+    assert not torch.equal(open_chunk_rows(*chunk, E[0:1], [17], C, CFG)[0], o[c * C + 17])  # another entry state
+
 def _fp64_grads(q, k, v, g, b, do, lengths):
     """Gradients of the fp64 token-by-token reference (per sequence from a zero state), on the CPU."""
     from isoexec.kernels.gdn.reference import recurrent_reference

@@ -57,6 +57,66 @@ def test_interpreted_gradient_check_sees_a_wrong_gradient_negative_control():
     assert min(errs.values()) > 1.0, errs
 
 
+_CHUNKWISE = r"""
+import json, torch
+import torch.nn.functional as F
+from isoexec.config import TritonSection
+from isoexec.kernels.gdn import triton as rec
+from isoexec.kernels.gdn import triton_chunkwise as cw
+from isoexec.kernels.gdn.reference import recurrent_reference
+C, lengths = 16, [48, 32]
+torch.manual_seed(0)
+N, H, dk, dv = sum(lengths), 2, 32, 32
+q, k = (F.normalize(torch.randn(N, H, dk), dim=-1) for _ in range(2))
+v = torch.randn(N, H, dv)
+g, b = F.logsigmoid(torch.randn(N, H)) * 0.3, torch.rand(N, H)
+cfg = TritonSection(gdn_chain_bv=16, gdn_scan_bv=16)
+o = cw.chunkwise_forward(q, k, v, g, b, lengths, C, cfg, block_v=16, num_warps=4)
+o_rec, _ = rec.cpr_gdn(q, k, v, g, b, lengths, [None] * 2, C, cfg, keep_state=False)
+ref, r = [], 0
+for n in lengths:
+    ref.append(recurrent_reference(*(x[r:r + n].double() for x in (q, k, v, g, b)))[0])
+    r += n
+ref = torch.cat(ref)
+rel = lambda a: float((a.double() - ref).norm() / ref.norm())
+# each sequence's chunk 1 as decode sees it: its entry state (the chain after chunk 0) and rows 0..t
+_, _, E = cw._prep_and_chain(k, v, g, b, torch.tensor([[0, 0, 0], [48, 0, 0]], dtype=torch.int32),
+                             torch.tensor([[0, 1, -1, 0], [1, 1, -1, 1]], dtype=torch.int32), 2, C, cfg)
+chunk = [x[C:2 * C] for x in (q, k, v, g, b)]
+rows = {t: torch.equal(cw.open_chunk_rows(*chunk, E[:1], [t], C, cfg, 16, 4)[0], o[C + t]) for t in (0, 5, 15)}
+both = [torch.cat([x[C:2 * C], x[48 + C:48 + 2 * C]]) for x in (q, k, v, g, b)]  # two sequences in one launch
+rows["batched"] = torch.equal(cw.open_chunk_rows(*both, E, [5, 11], C, cfg, 16, 4), torch.stack([o[C + 5], o[48 + C + 11]]))
+wrong_entry = torch.equal(cw.open_chunk_rows(*chunk, torch.zeros_like(E[:1]), [5], C, cfg, 16, 4)[0], o[C + 5])
+print(json.dumps({"rel_chunkwise": rel(o), "rel_recurrent": rel(o_rec), "equal_recurrent": torch.equal(o, o_rec),
+                  "rows": rows, "wrong_entry_equal": wrong_entry}))
+"""
+
+
+def test_chunkwise_in_chunk_candidate_matches_the_fp64_recurrence_and_its_decode_rows_in_the_interpreter():
+    """Issue 37's chunkwise in-chunk output (isoexec/kernels/gdn/triton_chunkwise.py) computes the recurrence
+    (fp64 reference) to fp32 accuracy, with other bits than the recurrent scan; decode's form (the open chunk's rows
+    0..t, the entry state) gives the trainer's row t bit for bit here (numpy dots; the GPU test checks the wgmma
+    dots), and a wrong entry state does not (negative control)."""
+    out = subprocess.run([sys.executable, "-c", _CHUNKWISE], env={**os.environ, "TRITON_INTERPRET": "1"},
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["rel_chunkwise"] < 1e-6 and r["rel_recurrent"] < 1e-6, r
+    assert not r["equal_recurrent"], r  # new bits: a contract constant of its own if adopted
+    assert all(r["rows"].values()) and not r["wrong_entry_equal"], r
+
+
+def test_chunkwise_candidate_refuses_a_partial_last_chunk():
+    from isoexec.config import TritonSection
+    from isoexec.kernels.gdn.triton_chunkwise import chunkwise_forward
+
+    import torch
+
+    x = torch.zeros(20, 1, 16)
+    with pytest.raises(ValueError, match=r"length 20: the chunkwise candidate needs whole chunks \(positive multiples of C=16\)"):
+        chunkwise_forward(x, x, x, x[..., 0], x[..., 0], [20], 16, TritonSection())
+
+
 def test_moe_expert_stacks_are_cached_per_layer_and_follow_in_place_updates():
     """The Triton MoE stacks a layer's expert weights once: two layers alternating keep their stacks (before,
     one cache slot per weight kind restacked every layer on every call), an in-place update of any expert

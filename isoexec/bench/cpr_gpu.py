@@ -2,7 +2,8 @@
 mixed, chunkwise everywhere, recurrent everywhere and CPR for trainer 1x10240 (forward, and forward +
 backward), prefill 5x2048 and decode 256 x 1 (``cpr_layer.csv``, ``python -m isoexec.bench.gpu cpr``); each
 strategy's forward + backward time and gradient error against the fp64 reference (``cpr_backward.csv``,
-``cpr`` / ``cpr_backward``); and CPR's kernel time by kernel (``cpr_breakdown.csv``, ``profile``).
+``cpr`` / ``cpr_backward``); CPR's kernel time by kernel (``cpr_breakdown.csv``, ``profile``); and issue 37's
+chunkwise in-chunk candidate against today's CPR and fla (``cpr_chunkwise.csv``, ``cpr_chunkwise``).
 :func:`gdn_inputs` makes the random GDN inputs these and the CPR variants of
 :mod:`isoexec.bench.variants_gpu` run on."""
 
@@ -253,4 +254,71 @@ def cpr_breakdown(cfg, log=print, H=32) -> list[dict]:
         for kname, ms in sorted(tot.items(), key=lambda kv: -kv[1])[:12]:
             rows.append({"stage": stage, "kernel": kname[:60], "device_ms": ms, "wall_ms_profiled": wall})
             log(json.dumps(rows[-1]))
+    return rows
+
+
+def cpr_chunkwise_table(cfg, log=print, H=32, dk=128, dv=128, stages=(("trainer_fwd", [10240]), ("rollout_prefill", [2048] * 5)),
+                        B=256) -> list[dict]:
+    """Issue 37's chunkwise in-chunk candidate (:mod:`isoexec.kernels.gdn.triton_chunkwise`) against today's CPR and
+    fla, side by side (ms, medians of ``triton.testing.do_bench`` as ``cpr_layer.csv``: CPR's host metadata copies
+    keep it out of a CUDA graph; ratios from the same run): trainer 1x10240 and
+    prefill 5x2048 (both from zero states, no decode state kept, so both CPR paths do the same work), and one decode
+    step of 256 sequences (today's: the scan over the running states; the candidate's: the prep over each open
+    chunk's rows 0..t and its row of the in-chunk output, t spread over the chunk). Each row says whether the
+    candidate's decode rows equal its trainer rows bit for bit (``decode_rows_equal``, at 4 positions of one chunk)
+    and how far its outputs are from today's (``rel_diff_vs_cpr``). ``stages``: (name, sequence lengths) of the
+    whole-chunk stages; ``B``: decode sequences."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+
+    from isoexec.kernels.gdn import triton as t_gdn
+    from isoexec.kernels.gdn import triton_chunkwise as cw
+
+    C, tc = cfg.kernels.chunk_size, cfg.kernels.triton
+    rows = []
+    for name, lens in stages:
+        stage = f"{name} {len(lens)}x{lens[0]}"
+        q, k, v, g, b = gdn_inputs(sum(lens), H, dk, dv)
+        cu = torch.tensor([0] + lens, device="cuda").cumsum(0)
+        bf = [x.to(torch.bfloat16)[None] for x in (q, k, v)]
+        cpr = lambda: t_gdn.cpr_gdn(q, k, v, g, b, lens, [None] * len(lens), C, tc, keep_state=False)  # noqa: E731
+        cand = lambda: cw.chunkwise_forward(q, k, v, g, b, lens, C, tc)  # noqa: E731
+        fla = lambda: chunk_gated_delta_rule(*bf, g=g[None], beta=b.to(torch.bfloat16)[None], cu_seqlens=cu)  # noqa: E731
+        o_cpr, o_cand = cpr()[0], cand()
+        t = {"cpr": bench(cpr), "chunkwise": bench(cand), "fla_chunk": bench(fla)}
+        n = lens[0] // C - 1  # the first sequence's last chunk, seen as decode sees it at 4 positions
+        _, _, E = cw._prep_and_chain(k, v, g, b, torch.tensor([[c * C, 0, 0] for c in range(n)], dtype=torch.int32,
+                                     device="cuda"), torch.tensor([[0, n, -1, 0]], dtype=torch.int32, device="cuda"),
+                                     n, C, tc)
+        chunk = [x[n * C:(n + 1) * C] for x in (q, k, v, g, b)]
+        ts = [0, 17, 40, C - 1]
+        dec = cw.open_chunk_rows(*(torch.cat([x] * len(ts)) for x in chunk), E[n - 1:n].expand(len(ts), -1, -1, -1), ts,
+                                 C, tc)
+        rows.append({"stage": stage, **{f"{kk}_ms": vv for kk, vv in t.items()},
+                     "chunkwise_vs_cpr": t["chunkwise"] / t["cpr"], "chunkwise_vs_fla": t["chunkwise"] / t["fla_chunk"],
+                     "cpr_vs_fla": t["cpr"] / t["fla_chunk"],
+                     "decode_rows_equal": bool(torch.equal(dec, o_cand[n * C + torch.tensor(ts, device="cuda")])),
+                     "rel_diff_vs_cpr": float((o_cand - o_cpr).norm() / o_cpr.norm()),
+                     "note": "fla in bf16 (as cpr_layer.csv), CPR and the candidate fp32 inputs"})
+        log(json.dumps(rows[-1]))
+    # one decode step of B sequences
+    _, states = t_gdn.cpr_gdn(*gdn_inputs(B * 8, H, dk, dv), [8] * B, [None] * B, C, tc)
+    d = gdn_inputs(B, H, dk, dv)
+    ch = gdn_inputs(B * C, H, dk, dv)
+    ent = torch.randn(B, H, dk, dv, device="cuda") * 0.1
+    ts = [(8 + i) % C for i in range(B)]
+    # today's step advances the states (a chunk completed in the timed steps runs its resync, 1 step in C)
+    rec_step = lambda: t_gdn.cpr_gdn(*d, [1] * B, states, C, tc)  # noqa: E731
+    cand_step = lambda: cw.open_chunk_rows(*ch, ent, ts, C, tc)  # noqa: E731
+    hq = [x.to(torch.bfloat16)[:, None] for x in d[:3]]
+    h0 = torch.zeros(B, H, dk, dv, device="cuda")
+    fla_rec = lambda: fused_recurrent_gated_delta_rule(*hq, g=d[3][:, None], beta=d[4].to(torch.bfloat16)[:, None],  # noqa: E731
+                                                       initial_state=h0, output_final_state=True)
+    t = {"cpr": bench(rec_step, warmup=3, rep=20), "chunkwise": bench(cand_step, warmup=3, rep=20),
+         "fla_recurrent": bench(fla_rec, warmup=3, rep=20)}
+    rows.append({"stage": f"rollout_decode {B}x1", **{f"{kk}_ms": vv for kk, vv in t.items()},
+                 "chunkwise_vs_cpr": t["chunkwise"] / t["cpr"], "chunkwise_vs_fla": t["chunkwise"] / t["fla_recurrent"],
+                 "cpr_vs_fla": t["cpr"] / t["fla_recurrent"],
+                 "note": "eager; the candidate's step includes the masking copies and the prep of every open chunk, "
+                         "not the state pass of a chunk that completes (1 step in C)"})
+    log(json.dumps(rows[-1]))
     return rows

@@ -12,6 +12,7 @@
 * ``variants_<parts>.csv``: candidate launch constants (GEMM programs and tiles, leaf GEMM tiles and
   launches, attention tiles, CPR launches) measured side by side, each with its bitwise check.
 * ``cpr_breakdown.csv``: CPR kernel time by kernel (torch.profiler).
+* ``cpr_chunkwise.csv``: the chunkwise in-chunk candidate of issue 37 against today's CPR and fla (``cpr_chunkwise``).
 * ``cpr_layer.csv``: the CPR Gated DeltaNet per-layer table (trainer 1x10240 forward and forward +
   backward, prefill 5x2048, decode 256 x 1) for native mixed, chunkwise everywhere, recurrent everywhere
   and CPR; ``cpr_backward.csv``: each strategy's forward + backward time and gradient error against the
@@ -22,7 +23,7 @@
 
 The tables live beside this entry, one module per measurement: :mod:`isoexec.bench.kernels_gpu`
 (``kernel_bench.csv``, ``conv_pieces.csv``), :mod:`isoexec.bench.cpr_gpu` (``cpr_layer.csv``,
-``cpr_backward.csv``, ``cpr_breakdown.csv``), :mod:`isoexec.bench.model_gpu` (``model_throughput.csv``),
+``cpr_backward.csv``, ``cpr_breakdown.csv``, ``cpr_chunkwise.csv``), :mod:`isoexec.bench.model_gpu` (``model_throughput.csv``),
 :mod:`isoexec.bench.variants_gpu` (``variants_<parts>.csv``); their timing and the ceilings in
 :mod:`isoexec.bench.timing_gpu`.
 """
@@ -38,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from isoexec.bench.cpr_gpu import cpr_backward_table, cpr_breakdown, cpr_table
+from isoexec.bench.cpr_gpu import cpr_backward_table, cpr_breakdown, cpr_chunkwise_table, cpr_table
 from isoexec.bench.kernels_gpu import conv_pieces_table, kernel_table
 from isoexec.bench.model_gpu import model_table
 from isoexec.bench.timing_gpu import ceilings
@@ -104,6 +105,7 @@ def gpu_bench_command(config: str = "experiments/h200.yaml", out_dir: str | None
     if what in ("gates", "all"):
         prov["gates"] = gpu_gates(cfg, out, log)
     tables = {"kernels": ("kernel_bench",), "cpr": ("cpr_layer", "cpr_backward"), "cpr_backward": ("cpr_backward",),
+              "cpr_chunkwise": ("cpr_chunkwise",),
               "conv": ("conv_pieces",),
               "model": ("model_throughput",),
               "bench": ("kernel_bench", "cpr_layer", "model_throughput"), "all": ("kernel_bench", "cpr_layer", "model_throughput")}
@@ -114,6 +116,7 @@ def gpu_bench_command(config: str = "experiments/h200.yaml", out_dir: str | None
         log(f"ceilings: {ceil}")
         for name, fn in (("kernel_bench", lambda: kernel_table(cfg, ceil, log, extra)), ("cpr_layer", lambda: cpr_table(cfg, log)),
                          ("cpr_backward", lambda: cpr_backward_table(cfg, log)),
+                         ("cpr_chunkwise", lambda: cpr_chunkwise_table(cfg, log)),
                          ("model_throughput", lambda: model_table(cfg, log)),
                          ("conv_pieces", lambda: conv_pieces_table(cfg, log))):
             if name not in tables[what]:
@@ -135,7 +138,8 @@ if __name__ == "__main__":
     import argparse
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("what", choices=["variants", "gates", "profile", "kernels", "cpr", "cpr_backward", "model", "conv", "bench",
+    p.add_argument("what", choices=["variants", "gates", "profile", "kernels", "cpr", "cpr_backward", "cpr_chunkwise", "model",
+                                    "conv", "bench",
                                     "all"])
     p.add_argument("--config", default="experiments/h200.yaml")
     p.add_argument("--extra-config", action="append", default=[], help="another experiment whose shapes the GEMM and attention rows add")

@@ -1,7 +1,10 @@
-"""The leaf GEMM (pik row-parallel regions) compiled for Hopper on any machine, no GPU: what limits each loop shape
-and tile choice before it is timed.
+"""The leaf GEMM (pik row-parallel regions) and the chunkwise CPR candidate compiled for Hopper on any machine, no GPU:
+what limits each loop shape and tile choice before it is timed.
 
 ``python -m isoexec.bench.sm90_compile --out results/h200/leaf_gemm/sm90_compile/compile.csv``
+``python -m isoexec.bench.sm90_compile --kernels cpr_chunkwise --out results/h200/cpr_chunkwise/sm90_compile/compile.csv``
+(the in-chunk output program of :mod:`isoexec.kernels.gdn.triton_chunkwise` at Dv blocks 32-128 and 4 or 8 warps, after
+today's token scan ``_scan`` for reference, at the Qwen3.5 GDN head: C = 64, Dk = Dv = 128, tf32 dots)
 
 Each candidate (``pik_loop``, tiles BM x BN x BK, warps, stages, leaves per program) is compiled by Triton for sm90
 as its JIT specializes a launch at the model's shapes (16-byte aligned pointers; the integer arguments it specializes
@@ -117,6 +120,31 @@ def leaf_rows(leaf_k: int = 512) -> list[dict]:
     return rows
 
 
+CHUNKWISE_SIGNATURE = {"q_ptr": "*fp32", "k_ptr": "*fp32", "g_ptr": "*fp32", "w_ptr": "*fp32", "u_ptr": "*fp32",
+                       "e_ptr": "*fp32", "o_ptr": "*fp32", "meta_ptr": "*i32", "H": "i32", "scale": "fp32"}
+SCAN_SIGNATURE = {"q_ptr": "*fp32", "k_ptr": "*fp32", "v_ptr": "*fp32", "g_ptr": "*fp32", "b_ptr": "*fp32",
+                  "o_ptr": "*fp32", "run_ptr": "*fp32", "e_ptr": "*fp32", "f_ptr": "*fp32", "meta_ptr": "*i32", "H": "i32",
+                  "scale": "fp32"}
+
+
+def chunkwise_rows(C: int = 64, dk: int = 128, dv: int = 128) -> list[dict]:
+    """Today's token scan at its pinned launch (``kernels.triton`` defaults), then the chunkwise candidate's in-chunk
+    output program at Dv blocks 32, 64, 128 and 4 or 8 warps, compiled by :func:`compile_sm90`."""
+    from isoexec.config import TritonSection
+    from isoexec.kernels.gdn.triton import _scan
+    from isoexec.kernels.gdn.triton_chunkwise import _chunk_out
+
+    cfg = TritonSection()
+    rows = [{"kernel": "_scan (recurrent)", "block_v": cfg.gdn_scan_bv, "num_warps": cfg.gdn_scan_warps,
+             **compile_sm90(_scan, SCAN_SIGNATURE, {"DK": dk, "DV": dv, "BV": cfg.gdn_scan_bv}, cfg.gdn_scan_warps, 1)}]
+    for bv in (32, 64, 128):
+        for nw in (4, 8):
+            consts = {"C": C, "DK": dk, "DV": dv, "BV": bv, "PREC": cfg.gdn_dot_precision}
+            rows.append({"kernel": "_chunk_out (chunkwise)", "block_v": bv, "num_warps": nw,
+                         **compile_sm90(_chunk_out, CHUNKWISE_SIGNATURE, consts, nw, 1)})
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     import json
 
@@ -127,12 +155,14 @@ def main(argv: list[str] | None = None) -> None:
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     p.add_argument("--out", required=True, help="CSV path; provenance.json is written beside it")
+    p.add_argument("--kernels", choices=("leaf", "cpr_chunkwise"), default="leaf",
+                   help="the leaf GEMM's loops and tiles, or the chunkwise CPR candidate (default: %(default)s)")
     a = p.parse_args(argv)
     out = Path(a.out)
     if out.is_dir():
         p.error(f"--out {out}: a folder; give the CSV's path (e.g. {out / 'compile.csv'})")
     out.parent.mkdir(parents=True, exist_ok=True)
-    write_csv(out, column_rows() + leaf_rows())
+    write_csv(out, column_rows() + leaf_rows() if a.kernels == "leaf" else chunkwise_rows())
     from triton.backends.nvidia.compiler import get_ptxas_version
 
     prov = {**provenance(), "triton_imported": triton.__version__, "triton_path": triton.__file__,

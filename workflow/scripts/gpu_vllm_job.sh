@@ -8,18 +8,21 @@
 #                                                                      -> $JOB_OUT/rl_step.csv, rl_step.log
 # 4. the leaf GEMM's loop shapes and tiles side by side with cuBLAS, each bitwise-checked (issue 37; last, so that it
 #    only takes device time the stages above left)                    -> $JOB_OUT/leaf_variants/, leaf_variants.log
+# 5. (chunkwise) issue 37's chunkwise in-chunk CPR candidate against today's CPR and fla, its decode rows checked
+#    bit for bit (python -m isoexec.bench.gpu cpr_chunkwise)          -> $JOB_OUT/cpr_chunkwise/, cpr_chunkwise.log
 # and nvidia-smi's utilisation every 5 s (gpu_util.csv). Settings: CONFIG (experiments/h200-rlstep.yaml), GEN (the
 # generation shapes), DEADLINE (vllm_gpu's --deadline-s), T_TESTS / T_VLLM / T_RLSTEP / T_LEAF (time limits, s;
-# T_LEAF=0 skips stage 4), STAGES (which stages, in the order given: "tests vllm rlstep leaf"; with little device
-# time left, e.g. "vllm rlstep tests leaf"). Exit status: the last failing stage's; every stage runs whatever the
+# T_LEAF=0 skips stage 4; T_CHUNKWISE), STAGES (which stages, in the order given: "tests vllm rlstep leaf chunkwise";
+# with little device time left, e.g. "vllm rlstep tests leaf"). Exit status: the last failing stage's; every stage runs whatever the
 # others did.
 set -uo pipefail
 O=${JOB_OUT:?run through gpu_node.sh start (JOB_OUT)}
 CONFIG=${CONFIG:-experiments/h200-rlstep.yaml}
 NAME=$(basename "$CONFIG" .yaml)
-STAGES=${STAGES:-tests vllm rlstep leaf}
+STAGES=${STAGES:-tests vllm rlstep leaf chunkwise}
 for stage in $STAGES; do
-  case $stage in tests|vllm|rlstep|leaf) ;; *) echo "gpu_vllm_job: STAGES: unknown stage '$stage'; allowed: tests vllm rlstep leaf"; exit 2 ;; esac
+  case $stage in tests|vllm|rlstep|leaf|chunkwise) ;;
+    *) echo "gpu_vllm_job: STAGES: unknown stage '$stage'; allowed: tests vllm rlstep leaf chunkwise"; exit 2 ;; esac
 done
 s=0
 nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used --format=csv -l 5 > "$O/gpu_util.csv" 2>/dev/null &
@@ -43,6 +46,11 @@ leaf() {
   ISOEXEC_VARIANTS=leaf timeout "${T_LEAF:-300}" python3 -m isoexec.bench.gpu variants --config experiments/h200.yaml \
     --extra-config experiments/h200-rlstep.yaml --out-dir "$O/leaf_variants" > "$O/leaf_variants.log" 2>&1 || s=$?
   tail -n 3 "$O/leaf_variants.log"
+}
+chunkwise() {
+  timeout "${T_CHUNKWISE:-240}" python3 -m isoexec.bench.gpu cpr_chunkwise --config experiments/h200.yaml \
+    --out-dir "$O/cpr_chunkwise" > "$O/cpr_chunkwise.log" 2>&1 || s=$?
+  tail -n 4 "$O/cpr_chunkwise.log"
 }
 for stage in $STAGES; do echo "gpu_vllm_job: $stage ($(date -u +%T))"; $stage; done
 kill %1 2>/dev/null
