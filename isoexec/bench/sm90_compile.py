@@ -4,7 +4,7 @@ what limits each loop shape and tile choice before it is timed.
 ``python -m isoexec.bench.sm90_compile --out results/h200/leaf_gemm/sm90_compile/compile.csv``
 ``python -m isoexec.bench.sm90_compile --kernels cpr_chunkwise --out results/h200/cpr_chunkwise/sm90_compile/compile.csv``
 (the in-chunk output program of :mod:`isoexec.kernels.gdn.triton_chunkwise` at Dv blocks 32-128 and 4 or 8 warps, after
-today's token scan ``_scan`` for reference, at the Qwen3.5 GDN head: C = 64, Dk = Dv = 128, tf32 dots)
+today's token scan ``_scan`` at ``experiments/h200.yaml``'s launch for reference, at the Qwen3.5 GDN head: Dk = Dv = 128)
 
 Each candidate (``pik_loop``, tiles BM x BN x BK, warps, stages, leaves per program) is compiled by Triton for sm90
 as its JIT specializes a launch at the model's shapes (16-byte aligned pointers; the integer arguments it specializes
@@ -127,14 +127,16 @@ SCAN_SIGNATURE = {"q_ptr": "*fp32", "k_ptr": "*fp32", "v_ptr": "*fp32", "g_ptr":
                   "scale": "fp32"}
 
 
-def chunkwise_rows(C: int = 64, dk: int = 128, dv: int = 128) -> list[dict]:
-    """Today's token scan at its pinned launch (``kernels.triton`` defaults), then the chunkwise candidate's in-chunk
-    output program at Dv blocks 32, 64, 128 and 4 or 8 warps, compiled by :func:`compile_sm90`."""
-    from isoexec.config import TritonSection
+def chunkwise_rows(config: str = "experiments/h200.yaml", dk: int = 128, dv: int = 128) -> list[dict]:
+    """Today's token scan at the launch ``config`` pins (``kernels.triton``), then the chunkwise candidate's in-chunk
+    output program at Dv blocks 32, 64, 128 and 4 or 8 warps (``config``'s chunk size and dot precision), compiled by
+    :func:`compile_sm90`."""
+    from isoexec.config import load_config
     from isoexec.kernels.gdn.triton import _scan
     from isoexec.kernels.gdn.triton_chunkwise import _chunk_out
 
-    cfg = TritonSection()
+    exp = load_config(config)
+    cfg, C = exp.kernels.triton, exp.kernels.chunk_size
     rows = [{"kernel": "_scan (recurrent)", "block_v": cfg.gdn_scan_bv, "num_warps": cfg.gdn_scan_warps,
              **compile_sm90(_scan, SCAN_SIGNATURE, {"DK": dk, "DV": dv, "BV": cfg.gdn_scan_bv}, cfg.gdn_scan_warps, 1)}]
     for bv in (32, 64, 128):
