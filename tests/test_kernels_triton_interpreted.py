@@ -106,15 +106,27 @@ def test_chunkwise_in_chunk_candidate_matches_the_fp64_recurrence_and_its_decode
     assert all(r["rows"].values()) and not r["wrong_entry_equal"], r
 
 
-def test_chunkwise_candidate_refuses_a_partial_last_chunk():
-    from isoexec.config import TritonSection
-    from isoexec.kernels.gdn.triton_chunkwise import chunkwise_forward
-
+@pytest.mark.parametrize("call, arg, C, match", [
+    ("forward", [20, 12], 16, r"length 20: the chunkwise candidate needs whole chunks \(positive multiples of C=16\)"),
+    ("forward", [16], 16, r"lengths sum to 16; q, k, v, g, beta have \[32, 32, 32, 32, 32\] rows"),
+    ("forward", [24, 8], 24, r"chunk size C=24: must be a power of two >= 16"),
+    ("rows", [], 16, r"positions \[\] with q, k, v, g, beta of \[32, 32, 32, 32, 32\] rows"),
+    ("rows", [3, 16], 16, r"each in 0 \.\. 15"),
+    ("rows", [3], 16, r"1 chunks of C=16 rows in every input"),
+])
+def test_chunkwise_candidate_refuses_bad_input_in_one_line(call, arg, C, match):
+    """Checked before any launch: no kernel runs on inputs it would read out of bounds."""
     import torch
 
-    x = torch.zeros(20, 1, 16)
-    with pytest.raises(ValueError, match=r"length 20: the chunkwise candidate needs whole chunks \(positive multiples of C=16\)"):
-        chunkwise_forward(x, x, x, x[..., 0], x[..., 0], [20], 16, TritonSection())
+    from isoexec.config import TritonSection
+    from isoexec.kernels.gdn.triton_chunkwise import chunkwise_forward, open_chunk_rows
+
+    x = torch.zeros(32, 1, 16)
+    with pytest.raises(ValueError, match=match):
+        if call == "forward":
+            chunkwise_forward(x, x, x, x[..., 0], x[..., 0], arg, C, TritonSection())
+        else:
+            open_chunk_rows(x, x, x, x[..., 0], x[..., 0], torch.zeros(max(len(arg), 1), 1, 16, 16), arg, C, TritonSection())
 
 
 def test_moe_expert_stacks_are_cached_per_layer_and_follow_in_place_updates():

@@ -290,7 +290,7 @@ def cpr_chunkwise_table(cfg, log=print, H=32, dk=128, dv=128, stages=(("trainer_
                                      device="cuda"), torch.tensor([[0, n, -1, 0]], dtype=torch.int32, device="cuda"),
                                      n, C, tc)
         chunk = [x[n * C:(n + 1) * C] for x in (q, k, v, g, b)]
-        ts = [0, 17, 40, C - 1]
+        ts = [0, C // 3, 2 * C // 3, C - 1]
         dec = cw.open_chunk_rows(*(torch.cat([x] * len(ts)) for x in chunk), E[n - 1:n].expand(len(ts), -1, -1, -1), ts,
                                  C, tc)
         rows.append({"stage": stage, **{f"{kk}_ms": vv for kk, vv in t.items()},

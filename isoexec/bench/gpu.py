@@ -64,6 +64,24 @@ def gpu_gates(cfg, out: Path, log=print) -> dict:
 
 
 # ----------------------------------------------------------------------------------------- entry
+def gpu_configs(config: str, extra_configs: tuple[str, ...] = ()) -> tuple:
+    """The experiment ``config`` (and ``extra_configs``) loaded and checked for this machine's GPU.
+
+    Raises:
+        ValueError: a config that does not load, whose ``device`` is not cuda, or ``device: cuda`` where torch sees no
+            CUDA device.
+    """
+    from isoexec.config import check_device, load_config
+
+    cfg = load_config(config)
+    extra = [load_config(c) for c in extra_configs]
+    if cfg.device != "cuda":
+        raise ValueError(f"{config}: device: {cfg.device}; the GPU benchmarks need an experiment with device: cuda "
+                         "(experiments/h200.yaml)")
+    check_device(cfg, config)
+    return cfg, extra
+
+
 def gpu_bench_command(config: str = "experiments/h200.yaml", out_dir: str | None = None, what: str = "bench",
                       extra_configs: tuple[str, ...] = ()) -> None:
     """Run on a CUDA device; writes under ``out_dir`` (default results/<exp>).
@@ -76,16 +94,10 @@ def gpu_bench_command(config: str = "experiments/h200.yaml", out_dir: str | None
     Raises:
         ValueError: a config whose ``device`` is not cuda, or ``device: cuda`` where torch sees no CUDA device.
     """
-    from isoexec.config import check_device, load_config
     from isoexec.io import atomic_write_text, write_csv
     from isoexec.provenance import provenance
 
-    cfg = load_config(config)
-    extra = [load_config(c) for c in extra_configs]
-    if cfg.device != "cuda":
-        raise ValueError(f"{config}: device: {cfg.device}; the GPU benchmarks need an experiment with device: cuda "
-                         "(experiments/h200.yaml)")
-    check_device(cfg, config)
+    cfg, extra = gpu_configs(config, extra_configs)
     out = Path(out_dir) if out_dir else cfg.out_dir
     out.mkdir(parents=True, exist_ok=True)
     prov_path = out / "provenance.json"
@@ -145,9 +157,10 @@ if __name__ == "__main__":
     p.add_argument("--extra-config", action="append", default=[], help="another experiment whose shapes the GEMM and attention rows add")
     p.add_argument("--out-dir", default=None)
     a = p.parse_args()
-    try:
-        gpu_bench_command(a.config, a.out_dir, a.what, tuple(a.extra_config))
+    try:  # the input's refusal in one line; an error inside a stage keeps its traceback
+        gpu_configs(a.config, tuple(a.extra_config))
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
+    gpu_bench_command(a.config, a.out_dir, a.what, tuple(a.extra_config))
     sys.exit(0)

@@ -6,8 +6,8 @@
 #                                                                      -> $JOB_OUT/<config name>/, vllm_gpu.log
 # 3. isoexec.bench.rl_step --engine vllm: one RL step per arm, vLLM native vs vLLM + plugin
 #                                                                      -> $JOB_OUT/rl_step.csv, rl_step.log
-# 4. the leaf GEMM's loop shapes and tiles side by side with cuBLAS, each bitwise-checked (issue 37; last, so that it
-#    only takes device time the stages above left)                    -> $JOB_OUT/leaf_variants/, leaf_variants.log
+# 4. the leaf GEMM's loop shapes and tiles side by side with cuBLAS, each bitwise-checked (issue 37; after the vLLM
+#    stages, so that it only takes device time they left)                    -> $JOB_OUT/leaf_variants/, leaf_variants.log
 # 5. (chunkwise) issue 37's chunkwise in-chunk CPR candidate against today's CPR and fla, its decode rows checked
 #    bit for bit (python -m isoexec.bench.gpu cpr_chunkwise)          -> $JOB_OUT/cpr_chunkwise/, cpr_chunkwise.log
 # and nvidia-smi's utilisation every 5 s (gpu_util.csv). Settings: CONFIG (experiments/h200-rlstep.yaml), GEN (the
@@ -50,6 +50,9 @@ leaf() {
 chunkwise() {
   timeout "${T_CHUNKWISE:-240}" python3 -m isoexec.bench.gpu cpr_chunkwise --config experiments/h200.yaml \
     --out-dir "$O/cpr_chunkwise" > "$O/cpr_chunkwise.log" 2>&1 || s=$?
+  # bench.gpu catches a table's exception (logged as "cpr_chunkwise: {'ok': False, ...}") and a failed row check is a
+  # column of the logged row: either fails the stage
+  grep -q "'ok': False\|\"decode_rows_equal\": false" "$O/cpr_chunkwise.log" && s=1
   tail -n 4 "$O/cpr_chunkwise.log"
 }
 for stage in $STAGES; do echo "gpu_vllm_job: $stage ($(date -u +%T))"; $stage; done

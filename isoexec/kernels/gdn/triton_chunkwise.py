@@ -1,7 +1,8 @@
 """Candidate chunkwise in-chunk output for CPR Gated DeltaNet (issue 37's plan; not in the kernel set).
 
 Today's CPR (:mod:`isoexec.kernels.gdn.triton`) computes every token's output with a token-by-token
-scan (``in_chunk: recurrent``), 1.74 of its 3.35 ms at trainer 1x10240 on the H200. This module computes
+scan (``in_chunk: recurrent``), 1.74 ms of its trainer forward at 1x10240 on the H200 (3.35 ms in that
+breakdown, 3.15 ms since the Neumann prep). This module computes
 the same outputs chunkwise from the chunk's entry state ``S`` (``[Dk, Dv]``) and the prep's
 ``W = T (beta e^G K)``, ``U0 = T (beta V)`` (``T = (I + A)^-1``; the same prep and state chain as today),
 the form of fla's ``chunk_gated_delta_rule`` (Yang et al., "Gated Delta Networks", arXiv 2412.06464, and
@@ -14,11 +15,13 @@ its UT-transform chunk algorithm)::
 One program per (chunk, head, Dv block) computes a 64-row tile from rows ``0 .. n-1`` of its chunk (rows
 ``>= n`` load as zeros and are not stored): ``n = C`` in the trainer and in prefill; in decode, ``n = t + 1``
 for the token at position ``t`` of its open chunk, with ``W``, ``U0`` from the same prep over the open chunk
-(rows after ``t`` zero). Row ``t`` then has the trainer's bits if two facts of the GPU's dots hold: a
-row of a tile product does not depend on the tile's other rows, and exact-zero products (the masked
-``P[t, s > t]`` against rows that are zero in decode and real in the trainer) change no bit; the prep's
-row ``t`` depends on rows ``<= t`` only (``A`` is strictly lower triangular, its block inverse a product of
-such matrices). ``tests/test_kernels_triton.py`` probes both facts on the GPU, and
+(rows after ``t`` zero). Row ``t`` then has the trainer's bits if three facts of the GPU's dots hold: an
+element of a tile product does not depend on the left operand's other rows, nor on the right operand's
+other columns (``Q K^T``'s column s and the prep's ``K K^T`` take later rows of K as other columns), and
+exact-zero products (the masked ``P[t, s > t]`` against rows that are zero in decode and real in the
+trainer) change no bit; the prep's row ``t`` depends on rows ``<= t`` only (``A`` is strictly lower
+triangular, its block inverse a product of such matrices). ``tests/test_kernels_triton.py`` probes the three
+facts on the GPU (64- and 16-row tiles, 4 and 8 warps), and
 :func:`isoexec.bench.cpr_gpu.cpr_chunkwise_table` checks the rows and times this path against the scan.
 These are new bits (not the recurrent scan's): adopting it needs a contract constant
 (``in_chunk: chunkwise``) and the gates.
@@ -92,6 +95,11 @@ def chunk_out(q, k, g, W, U0, E, meta, out, C: int, block_v: int, num_warps: int
     return out
 
 
+def _check_chunk_size(C: int) -> None:
+    if C < 16 or C & (C - 1):
+        raise ValueError(f"chunk size C={C}: must be a power of two >= 16 (the prep's 16-row blocks, the tile's rows)")
+
+
 def _prep_and_chain(k, v, g, beta, prep_meta, chain_meta, n_states, C: int, cfg, entry=None):
     """Today's chunk prep and state chain (:mod:`isoexec.kernels.gdn.triton`) over ``prep_meta``'s chunks:
     ``(W, U0, E)``; ``entry`` ``[P, H, Dk, Dv]``: the states ``chain_meta``'s sources index (None: none)."""
@@ -128,8 +136,13 @@ def chunkwise_forward(q, k, v, g, beta, lengths: list[int], C: int, cfg, block_v
         o ``[N, H, Dv]`` fp32.
 
     Raises:
-        ValueError: a length that is not a positive multiple of C.
+        ValueError: C not a power of two >= 16, a length that is not a positive multiple of C, or lengths that do
+            not sum to the inputs' N rows.
     """
+    _check_chunk_size(C)
+    if sum(lengths) != k.shape[0] or any(x.shape[0] != k.shape[0] for x in (q, v, g, beta)):
+        raise ValueError(f"lengths sum to {sum(lengths)}; q, k, v, g, beta have {[x.shape[0] for x in (q, k, v, g, beta)]} "
+                         "rows: expected the same N everywhere")
     bad = [n for n in lengths if n <= 0 or n % C]
     if bad:
         raise ValueError(f"length {bad[0]}: the chunkwise candidate needs whole chunks (positive multiples of C={C})")
@@ -154,24 +167,28 @@ def open_chunk_rows(q, k, v, g, beta, entries, ts: list[int], C: int, cfg, block
 
     Args:
         q, k: ``[B * C, H, Dk]``, v: ``[B * C, H, Dv]``, g, beta: ``[B * C, H]``: the chunks' rows, chunk b at rows
-            ``b*C .. b*C + C-1`` (rows after ``ts[b]`` are ignored).
+            ``b*C .. b*C + C-1`` (rows after ``ts[b]`` are ignored, whatever they hold).
         entries: ``[B, H, Dk, Dv]`` fp32 entry states. ts: B positions in 0 .. C-1. Others as :func:`chunkwise_forward`.
 
     Returns:
         ``[B, H, Dv]`` fp32: row ``ts[b]`` of chunk b's output.
 
     Raises:
-        ValueError: a position outside 0 .. C-1, or not B chunks of C rows.
+        ValueError: C not a power of two >= 16, no position, a position outside 0 .. C-1, or not B chunks of C rows.
     """
+    _check_chunk_size(C)
     B = len(ts)
-    if k.shape[0] != B * C or entries.shape[0] != B or any(not 0 <= t < C for t in ts):
-        raise ValueError(f"positions {ts} over {k.shape[0]} rows and {entries.shape[0]} entry states: expected "
-                         f"{B} chunks of C={C} rows, as many states, and every position in 0 .. {C - 1}")
+    if B == 0 or any(x.shape[0] != B * C for x in (q, k, v, g, beta)) or entries.shape[0] != B or \
+            any(not 0 <= t < C for t in ts):
+        raise ValueError(f"positions {ts} with q, k, v, g, beta of {[x.shape[0] for x in (q, k, v, g, beta)]} rows and "
+                         f"{entries.shape[0]} entry states: expected at least one position, each in 0 .. {C - 1}, "
+                         f"{B} chunks of C={C} rows in every input and as many states")
     dev = k.device
     t_dev = torch.tensor(ts, device=dev)
-    keep = (torch.arange(C, device=dev)[None, :] <= t_dev[:, None]).float().reshape(B * C)
-    q, k, v = (x.float() * keep[:, None, None] for x in (q, k, v))
-    g, beta = (x.float() * keep[:, None] for x in (g, beta))
+    keep = (torch.arange(C, device=dev)[None, :] <= t_dev[:, None]).reshape(B * C)
+    # selected, not multiplied: a stale buffer row holding inf or NaN must become an exact zero too
+    q, k, v = (torch.where(keep[:, None, None], x.float(), 0.0) for x in (q, k, v))
+    g, beta = (torch.where(keep[:, None], x.float(), 0.0) for x in (g, beta))
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     prep = torch.tensor([[b * C, 0, 0] for b in range(B)], dtype=torch.int32, device=dev)
     W, U0, _ = _prep_and_chain(k, v, g, beta, prep, torch.empty((0, 4), dtype=torch.int32, device=dev), 0, C, cfg)
