@@ -47,23 +47,28 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state as ps
-from megatron.core.ssm.gated_delta_net import GatedDeltaNet
-from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-from megatron.core.tensor_parallel.mappings import (
+
+from isoexec.trainer.megatron import compat
+
+compat.apply()
+
+from megatron.core import parallel_state as ps  # noqa: E402
+from megatron.core.ssm.gated_delta_net import GatedDeltaNet  # noqa: E402
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear  # noqa: E402
+from megatron.core.tensor_parallel.mappings import (  # noqa: E402
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
     gather_from_tensor_model_parallel_region,
 )
-from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.transformer.module import MegatronModule  # noqa: E402
+from megatron.core.transformer.moe.moe_layer import MoELayer  # noqa: E402
 
-from isoexec.kernels import KernelSet
-from isoexec.kernels.attention.rope import rope_cos_sin, rope_inv_freq
-from isoexec.kernels.collectives.cp import ChainExchange, SequenceSlice
-from isoexec.kernels.collectives.pik import pik_all_reduce, pik_reduce_scatter, pik_row_parallel_partial, pik_tree_combine
-from isoexec.trainer.megatron.compat import DEVICE, padding_lengths
-from isoexec.trainer.megatron.spec import GatedSelfAttention
+from isoexec.kernels import KernelSet  # noqa: E402
+from isoexec.kernels.attention.rope import rope_cos_sin, rope_inv_freq  # noqa: E402
+from isoexec.kernels.collectives.cp import ChainExchange, SequenceSlice  # noqa: E402
+from isoexec.kernels.collectives.pik import pik_all_reduce, pik_reduce_scatter, pik_row_parallel_partial, pik_tree_combine  # noqa: E402
+from isoexec.trainer.megatron.compat import DEVICE, padding_lengths  # noqa: E402
+from isoexec.trainer.megatron.gated_attention import GatedSelfAttention  # noqa: E402
 
 
 # -------------------------------------------------------------------------------- collectives

@@ -12,7 +12,8 @@ Kernel sets fill the same slots with modules of the same parameter names, so one
 
 * ``native``: Megatron's stock local modules (``ColumnParallelLinear``, ``RowParallelLinear`` with its
   all-reduce / reduce-scatter, ``DotProductAttention``, its MoE router, all-gather token dispatcher
-  and ``SequentialMLP`` experts, its torch GDN), plus the :class:`GatedSelfAttention` fix and our
+  and ``SequentialMLP`` experts, its torch GDN), plus the
+  :class:`~isoexec.trainer.megatron.gated_attention.GatedSelfAttention` fix and our
   :class:`~isoexec.trainer.megatron.norms.RMSNorm`.
 * ``isoexec``: :mod:`isoexec.trainer.megatron.layers` (pik row-parallel GEMMs, column-invariant GEMMs, our
   attention, CPR GDN, routing-order MoE, blocked logprob) calling a :class:`~isoexec.kernels.KernelSet`.
@@ -28,8 +29,7 @@ from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add  # noq
 from megatron.core.models.backends import LocalSpecProvider  # noqa: E402
 from megatron.core.models.gpt.gpt_model import GPTModel  # noqa: E402
 from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules  # noqa: E402
-from megatron.core.parallel_state import get_tensor_model_parallel_rank  # noqa: E402
-from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules  # noqa: E402
+from megatron.core.transformer.attention import SelfAttentionSubmodules  # noqa: E402
 from megatron.core.transformer.enums import AttnMaskType  # noqa: E402
 from megatron.core.transformer.mlp import MLPSubmodules  # noqa: E402
 from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules  # noqa: E402
@@ -38,27 +38,8 @@ from megatron.core.transformer.spec_utils import ModuleSpec  # noqa: E402
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules  # noqa: E402
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules  # noqa: E402
 
+from isoexec.trainer.megatron.gated_attention import GatedSelfAttention  # noqa: E402
 from isoexec.trainer.megatron.norms import IsoRMSNorm, RMSNorm  # noqa: E402
-
-
-class GatedSelfAttention(SelfAttention):
-    """``SelfAttention`` whose output gate keeps only this rank's heads when query groups < TP.
-
-    megatron-core 0.16.1 ``transformer/attention.py`` lines 1398-1417, 1464-1479 and 1486-1490: with
-    ``num_query_groups < tp`` every rank all-gathers the fused QKV, takes its query group and then
-    slices ``query`` to its own ``num_q_heads / tp`` heads, but returns the group's whole ``gate``, so
-    ``_apply_output_gate`` fails on the shape. This slices ``gate`` the same way as ``query``.
-    """
-
-    def get_query_key_value_tensors(self, hidden_states, key_value_states=None, output_gate=False, split_qkv=True):
-        out = super().get_query_key_value_tensors(hidden_states, key_value_states, output_gate, split_qkv)
-        if not output_gate or self.config.num_query_groups >= self.world_size:
-            return out
-        query, key, value, gate = out
-        per = self.world_size // self.config.num_query_groups
-        size = gate.shape[2] // per
-        idx = get_tensor_model_parallel_rank() % per
-        return query, key, value, gate[:, :, idx * size : (idx + 1) * size]
 
 
 def _norm(kernels, zero_centered: bool = True) -> ModuleSpec:
@@ -181,4 +162,4 @@ def build_gpt_model(hf_config, config, kernels=None) -> GPTModel:
     return model
 
 
-__all__ = ["GatedSelfAttention", "build_gpt_model", "layer_specs", "rotary"]
+__all__ = ["build_gpt_model", "layer_specs", "rotary"]
