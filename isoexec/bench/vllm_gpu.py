@@ -49,6 +49,9 @@ from isoexec.bench.workers import Worker, WorkerError, engine_args, engine_main,
 MODES = ("native", "isoexec")
 SCORE_FLOOR_S = 300.0
 """Seconds each trainer of the rollout check gets to load and to score at least, past the run's deadline."""
+CHECK_BATCH = {True: (48, 1000, 200), False: (16, 200, 40)}
+"""The check engine's batch on CUDA (True) and on the CPU (False): prompts (2 samples each), longest prompt (tokens),
+new tokens. The CPU's is a dry run of the driver: its scorers take minutes per few thousand tokens."""
 
 
 def parse_shape(text: str, group: int) -> tuple[int, int, int]:
@@ -188,10 +191,11 @@ def check_runs(plan: Plan, engines: dict[str, Worker], max_len: int) -> dict[str
 
     if "isoexec-check" in engines:
         w = engines["isoexec-check"]
-        prompts = make_prompts(48, vocab, 1000 if plan.cuda else 200, seed=7)
+        num, longest, new = CHECK_BATCH[plan.cuda]
+        prompts = make_prompts(num, vocab, longest, seed=7)
         save = str(plan.work / "check_isoexec.pt")
         try:
-            r = w.call("generate", prompts=prompts, n=2, max_tokens=200 if plan.cuda else 40, seed=3, save=save)
+            r = w.call("generate", prompts=prompts, n=2, max_tokens=new, seed=3, save=save)
             plan.samples["isoexec"].append(save)
             out["check"] = {**r, "cache_state": w.call("cache_state")}
             plan.note(stage="check", **out["check"])
@@ -268,7 +272,7 @@ def run(config: str, out: str, work: str, shapes: list[str], group: int, deadlin
     plan.vocab = int(json.loads((ckpt / "config.json").read_text())["vocab_size"])
     plan.note(stage="checkpoint", path=str(ckpt), vocab_size=plan.vocab)
     max_len = max(p + n for _, p, n in parsed) + 64
-    check_len = (1000 if plan.cuda else 200) + (200 if plan.cuda else 40) + 64
+    check_len = CHECK_BATCH[plan.cuda][1] + CHECK_BATCH[plan.cuda][2] + 64
     engines = start_engines(plan, ckpt, max(s for s, _, _ in parsed), max_len, check_len)
     try:
         for name, w in engines.items():  # compile / autotune at small shapes, outside the timings; the isoexec
