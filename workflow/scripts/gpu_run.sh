@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # The one script the GPU node runs: carried wheels -> GPU tests, gates, benchmarks, pik over NCCL.
 # Usage (repo root, CUDA machine): OUT=/some/dir bash workflow/scripts/gpu_run.sh [STAGE]...
-# Stages: test gates variants profile kernels cpr model conv rlstep pik megatron; "all" = test gates kernels cpr
+# Stages: test gates variants profile kernels cpr cpr_backward cpr_chunkwise model conv rlstep pik megatron; "all" = test gates kernels cpr
 # profile rlstep pik megatron. pik runs first, one process per GPU (torchrun, NCCL), when there are at least
 # two GPUs; then the timed stages (variants profile kernels cpr model rlstep, then the one-GPU phase of
 # megatron) run one after another on GPU 0 while the correctness stages (test gates) run on GPU 1 (with one
 # GPU: after the timed stages, on GPU 0); last, megatron's two-GPU phase (torchrun, NCCL: the Megatron
 # trainer at TP=2 + SP, EP=2, TP=2 x EP=2 against the one-GPU phase's TP=1 and engine rows).
-# Writes $OUT/h200/{kernel_bench.csv,cpr_layer.csv,cpr_breakdown.csv,variants_*.csv,
+# Writes $OUT/h200/{kernel_bench.csv,cpr_layer.csv,cpr_breakdown.csv,cpr_chunkwise.csv,variants_*.csv,
 # model_throughput.csv,rl_step.csv,provenance.json,tests.log,gates/{gates.csv,contract.json}},
 # $OUT/h200x2/{pik.csv,megatron.csv,megatron_step.csv,megatron_tests.log,*.provenance.json} and $OUT/log.txt; copy them
 # to results/h200/ and results/h200x2/ to commit. Each stage has a time limit (T_<STAGE> seconds; megatron:
@@ -33,7 +33,7 @@ MEGATRON_WORK=$(mktemp -d)
 M="-m isoexec.bench.megatron_gpu --config $CONFIG --work $MEGATRON_WORK"
 
 timed_stages() {
-  for s in variants profile kernels cpr cpr_backward model conv; do
+  for s in variants profile kernels cpr cpr_backward cpr_chunkwise model conv; do
     if has $s; then
       CUDA_VISIBLE_DEVICES=0 timeout "$(eval echo \${T_${s^^}:-300})" $B $s --config "$CONFIG" --extra-config "$RLCONFIG" \
         --out-dir "$OUT/h200"
