@@ -101,8 +101,11 @@ def test_engine_benchmark_dry_run_on_cpu_isoexec_bitwise_native_not(tmp_path):
     gen = list(csv.DictReader(open(out / "gen_cost.csv")))
     assert [r["engine"] for r in gen] == ["native", "isoexec", "native", "isoexec/native"]
     assert {r["engine"] for r in csv.DictReader(open(out / "engine_start.csv"))} == {"native", "isoexec", "isoexec-check"}
-    summary = json.loads((out / "rollout_check.json").read_text())["summary"]
-    assert summary["checks"]["check"]["cache_state"]["kind"] == "isoexec"
+    check = json.loads((out / "rollout_check.json").read_text())
+    assert check["summary"]["checks"]["check"]["cache_state"]["kind"] == "isoexec"
+    # the untimed warm-up: a small batch, then (timed engines only) the one timed shape's prefill
+    warmups = {e["engine"]: e["seconds"] for e in check["events"] if e["stage"] == "warmup"}
+    assert {k: len(v) for k, v in warmups.items()} == {"native": 2, "isoexec": 2, "isoexec-check": 1}
     assert (out / "profile" / "isoexec.cprofile.txt").exists() and (out / "provenance.json").exists()
 
 
