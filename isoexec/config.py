@@ -61,6 +61,17 @@ class GemmRowBucket(_Section):
         description="BM, BN, BK, num_warps, num_stages")
 
 
+class LeafKBucket(_Section):
+    """Leaf GEMM programs of several leaves, each leaf at most ``max_leaf_k`` features wide, run this loop with these
+    tiles and at most this many leaves per program (see ``TritonSection.pik_bfloat16_by_leaf_k``)."""
+
+    max_leaf_k: PositiveInt
+    loop: Literal["flat", "paired"]
+    tiles: tuple[PositiveInt, PositiveInt, PositiveInt, PositiveInt, PositiveInt] = Field(
+        description="BM, BN, BK, num_warps, num_stages; BK must be pik_gemm_bfloat16's")
+    program_leaves: PositiveInt
+
+
 class TritonSection(_Section):
     """Launch constants of the Triton (sm90) kernel set. Every value is bit-relevant or pins the launch,
     enters the contract's composition, and comes only from here (``isoexec bench --what tune`` writes a
@@ -97,6 +108,13 @@ class TritonSection(_Section):
         "flat", description="leaf GEMM programs of several leaves: one K loop over all the leaves, or two leaves at a "
         "time (two tensor-core chains in flight, the tree climbed after each pair; isoexec/kernels/gemm/triton.py). "
         "Same additions in the same order (not bit-relevant, so not in the contract)")
+    pik_bfloat16_by_leaf_k: tuple[LeafKBucket, ...] = Field(
+        (), description="bf16/fp16 leaf GEMM launches of the in-register tree (more rows than pik_split_rows): the "
+        "first bucket, by ascending max_leaf_k, that holds the launch's leaf width (K / leaves; the same at every TP) "
+        "picks its loop, tiles and leaves per program; wider leaves and the split launch run pik_loop, "
+        "pik_gemm_bfloat16 and pik_program_leaves. BK is pik_gemm_bfloat16's: the K steps and the tree fix the bits, "
+        "BM, BN, warps, stages, loop and leaves per program move none (results/h200/leaf_gemm/paired_4c8595d checks "
+        "every candidate against the pinned tiles on an H200)")
     attn_block_m: PositiveInt = Field(64, description="attention query rows per tile")
     attn_num_warps: PositiveInt = Field(8, description="attention warps per tile (fixes the row reductions' layout)")
     attn_num_stages: PositiveInt = Field(2, description="attention K/V software-pipelining depth")
@@ -124,6 +142,10 @@ class TritonSection(_Section):
             bad += [f"kernels.triton.{name} tile {t}" for t in (bm, bn, bk) if t < 16 or t & (t - 1)]
         for i, b in enumerate(self.gemm_bfloat16_by_rows):
             bad += [f"kernels.triton.gemm_bfloat16_by_rows[{i}] tile {t}" for t in b.tiles[:3] if t < 16 or t & (t - 1)]
+        for i, b in enumerate(self.pik_bfloat16_by_leaf_k):
+            bad += [f"kernels.triton.pik_bfloat16_by_leaf_k[{i}] tile {t}" for t in b.tiles[:3] if t < 16 or t & (t - 1)]
+            bad += [f"kernels.triton.pik_bfloat16_by_leaf_k[{i}].program_leaves={b.program_leaves}"] * bool(
+                b.program_leaves & (b.program_leaves - 1))
         if bad:
             raise ValueError(f"must be powers of two (GEMM tiles >= 16): {', '.join(bad)}")
         if self.gdn_bwd_warps >= 8 and self.gdn_bwd_bv < 32:
@@ -134,6 +156,13 @@ class TritonSection(_Section):
         rows = [b.max_rows for b in self.gemm_bfloat16_by_rows]
         if rows != sorted(set(rows)):
             raise ValueError(f"kernels.triton.gemm_bfloat16_by_rows: max_rows {rows} must be strictly ascending")
+        widths = [b.max_leaf_k for b in self.pik_bfloat16_by_leaf_k]
+        if widths != sorted(set(widths)):
+            raise ValueError(f"kernels.triton.pik_bfloat16_by_leaf_k: max_leaf_k {widths} must be strictly ascending")
+        bk = [b.tiles[2] for b in self.pik_bfloat16_by_leaf_k if b.tiles[2] != self.pik_gemm_bfloat16[2]]
+        if bk:
+            raise ValueError(f"kernels.triton.pik_bfloat16_by_leaf_k: BK {bk[0]} differs from pik_gemm_bfloat16's "
+                             f"{self.pik_gemm_bfloat16[2]}; allowed: the same BK (BK sets the leaf's K steps, i.e. the bits)")
         return self
 
 

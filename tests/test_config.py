@@ -117,6 +117,39 @@ def test_gemm_row_buckets_pick_by_rows_and_must_ascend():
                                              {"max_rows": 64, "program": "tiled", "tiles": (64, 128, 64, 4, 4)}])
 
 
+def test_leaf_k_buckets_pick_by_leaf_width_for_the_in_register_tree_only_and_are_checked():
+    """The first leaf-width bucket that holds K / leaves picks loop, tiles and leaves per program for bf16 launches of
+    the in-register tree; the split launch, fp32 and wider leaves keep the pik_* constants; the contract records the
+    buckets only when some are pinned; unsorted buckets, another BK and a leaves-per-program that is no power of two
+    are refused, naming the value."""
+    import torch
+    from pydantic import ValidationError
+
+    from isoexec.config import TritonSection
+    from isoexec.kernels.gemm.triton import leaf_constants, leaf_program_for
+
+    b64 = {"max_leaf_k": 64, "loop": "paired", "tiles": (64, 64, 64, 4, 2), "program_leaves": 8}
+    b512 = {"max_leaf_k": 512, "loop": "paired", "tiles": (128, 128, 64, 8, 3), "program_leaves": 4}
+    plain = TritonSection(pik_gemm_bfloat16=(64, 64, 64, 4, 4))
+    ok = TritonSection(pik_gemm_bfloat16=(64, 64, 64, 4, 4), pik_bfloat16_by_leaf_k=[b64, b512])
+    assert leaf_program_for(ok, torch.bfloat16, 64, False) == ("paired", (64, 64, 64, 4, 2), 8)
+    assert leaf_program_for(ok, torch.bfloat16, 128, False) == ("paired", (128, 128, 64, 8, 3), 4)
+    assert leaf_program_for(ok, torch.float16, 512, False) == ("paired", (128, 128, 64, 8, 3), 4)
+    assert leaf_program_for(ok, torch.bfloat16, 1024, False) == ("flat", (64, 64, 64, 4, 4), 8)
+    assert leaf_program_for(ok, torch.bfloat16, 64, True) == ("flat", (64, 64, 64, 4, 4), 8)
+    assert leaf_program_for(ok, torch.float32, 64, False) == ("flat", tuple(ok.pik_gemm_float32), 8)
+    assert "leaf_k_buckets" not in leaf_constants(plain, torch.bfloat16, 8)
+    assert leaf_constants(ok, torch.bfloat16, 8)["leaf_k_buckets"] == (
+        "leaf_k<=64:paired:64x64x64:4w:2s:8lpp;leaf_k<=512:paired:128x128x64:8w:3s:4lpp")
+    assert "leaf_k_buckets" not in leaf_constants(ok, torch.float32, 8)
+    with pytest.raises(ValidationError, match=r"max_leaf_k \[512, 64\] must be strictly ascending"):
+        TritonSection(pik_gemm_bfloat16=(64, 64, 64, 4, 4), pik_bfloat16_by_leaf_k=[b512, b64])
+    with pytest.raises(ValidationError, match="BK 32 differs from pik_gemm_bfloat16's 64"):
+        TritonSection(pik_gemm_bfloat16=(64, 64, 64, 4, 4), pik_bfloat16_by_leaf_k=[{**b64, "tiles": (64, 64, 32, 4, 2)}])
+    with pytest.raises(ValidationError, match=r"pik_bfloat16_by_leaf_k\[0\].program_leaves=3"):
+        TritonSection(pik_bfloat16_by_leaf_k=[{**b64, "program_leaves": 3}])
+
+
 def test_triton_section_refuses_the_cpr_backward_launch_that_faults_on_the_h200():
     from isoexec.config import TritonSection
 

@@ -419,6 +419,13 @@ for name, dt in (("fp32", torch.float32), ("fp16", torch.float16)):
             for lpp in (8, 4, 2):
                 cfg = TritonSection(pik_loop=loop, pik_program_leaves=lpp)
                 out[f"{loop}{lpp}"] = linear_leaves(x, w, cfg, 8, torch.float32, split=False)
+        # leaf-width buckets (pik_bfloat16_by_leaf_k; fp16 only, fp32 keeps pik_gemm_float32): K 256 -> leaves of 32,
+        # K 1024 -> of 128. The default BM x BN: the interpreter's fp16 dots (numpy) change bits with the tile shape,
+        # the compiled ones do not (tests/test_kernels_triton.py)
+        buckets = TritonSection(pik_bfloat16_by_leaf_k=[
+            {"max_leaf_k": 32, "loop": "paired", "tiles": [128, 64, 64, 4, 2], "program_leaves": 2},
+            {"max_leaf_k": 128, "loop": "flat", "tiles": [128, 64, 64, 8, 2], "program_leaves": 4}])
+        out["buckets"] = linear_leaves(x, w, buckets, 8, torch.float32, split=False)
         ref = linear_leaves(x, w, TritonSection(), 8, torch.float32, split=True)  # one leaf per program + tree_combine
         tp = [linear_leaves_partial(x[:, r * K // 4:(r + 1) * K // 4], w[:, r * K // 4:(r + 1) * K // 4],
                                     TritonSection(pik_loop="paired", pik_split_rows=0), 2) for r in range(4)]
@@ -436,7 +443,8 @@ print(json.dumps(res))
 
 
 def test_leaf_gemm_loop_shapes_give_the_same_bits_in_the_interpreter():
-    """The leaf GEMM's loop shapes (``pik_loop`` flat and paired) at 8, 4 and 2 leaves per program, a TP=4 rank's
+    """The leaf GEMM's loop shapes (``pik_loop`` flat and paired) at 8, 4 and 2 leaves per program, leaf-width buckets
+    (``pik_bfloat16_by_leaf_k``), a TP=4 rank's
     subtree (paired) through the combine, and the grouped launch give the one-leaf-per-program launch's fp32 rows,
     fp32 and fp16 inputs, leaves of one partial K step and of several; the native ``F.linear`` differs (negative
     control). The compiled kernels: ``tests/test_kernels_triton.py`` on a GPU."""

@@ -128,9 +128,14 @@ def _variants_leaf(leaf_shapes, data, timed, tc0, G, rec):
              ("paired", (64, 64, 64, 4, 4), 8), ("paired", (64, 64, 64, 4, 3), 8), ("paired", (64, 64, 64, 4, 2), 8),
              ("paired", (128, 64, 64, 8, 3), 8), ("paired", (128, 64, 64, 8, 2), 8), ("paired", (128, 128, 64, 8, 3), 4),
              ("paired", (128, 128, 64, 8, 3), 2)]
-    for loop, tiles, lpp in cands:
-        cand = tc0.model_copy(update={"pik_gemm_bfloat16": tiles, "pik_program_leaves": lpp, "pik_loop": loop})
-        conf = f"{loop} " + ",".join(map(str, tiles)) + f" leaves/program<={lpp}"
+    # first the config's own launch constants (its pik_bfloat16_by_leaf_k buckets included), then each candidate alone
+    for loop, tiles, lpp in [(None, None, None), *cands]:
+        if loop is None:
+            cand, conf = tc0, "as configured"
+        else:
+            cand = tc0.model_copy(update={"pik_gemm_bfloat16": tiles, "pik_program_leaves": lpp, "pik_loop": loop,
+                                          "pik_bfloat16_by_leaf_k": ()})
+            conf = f"{loop} " + ",".join(map(str, tiles)) + f" leaves/program<={lpp}"
         try:
             full = t_gemm.linear_leaves(xl, wl, cand, G, split=False)
             same_as_pinned = bool(torch.equal(full, pinned))  # BK and the tree fix the bits; BM/BN, the launch should not

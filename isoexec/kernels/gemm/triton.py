@@ -26,7 +26,8 @@ pairs adjacent nodes, ``((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7))``, and rounded once.
 reduces an aligned subtree of leaves in registers (a binary counter: the node finished at leaf j is
 kept at level ``l`` while bit ``l`` of j is 0, and added to its left sibling when it is 1) and leaves
 the levels above its subtree to :func:`tree_combine` (one leaf per program for few rows,
-``kernels.triton.pik_split_rows``; at most ``kernels.triton.pik_program_leaves`` otherwise); every launch
+``kernels.triton.pik_split_rows``; at most ``kernels.triton.pik_program_leaves`` otherwise, or the leaf-width
+bucket's of ``kernels.triton.pik_bfloat16_by_leaf_k``, with its loop and tiles); every launch
 adds the same fp32 numbers in the same order, so none changes bits. A TP rank holding K/tp
 features reduces its subtree of G/tp leaves with the same code, hence every TP dividing G gives the
 same bits.
@@ -296,11 +297,27 @@ def program_for(cfg, dtype: torch.dtype, rows: int) -> tuple[str, tuple[int, int
 
 def leaf_constants(cfg, dtype: torch.dtype, leaves: int) -> dict:
     """The leaf GEMM's contract constants for inputs of ``dtype`` with ``leaves`` leaves. The launch
-    (``pik_split_rows``) is left out: it moves no bit (the test named in the composition proves it)."""
+    (``pik_split_rows``) is left out: it moves no bit (the test named in the composition proves it); the leaf-width
+    buckets are recorded only when some are pinned, so that a contract without them keeps its digest."""
     bm, bn, bk, nw, ns = tiles_for(cfg, dtype, leaf=True)
-    return {"tile_m": bm, "tile_n": bn, "tile_k": bk, "num_warps": nw, "num_stages": ns, "group_m": cfg.gemm_group_m,
-            "dot_precision": DOT_PRECISION, "leaves": leaves, "leaf_tree": "adjacent_pairs", "leaf_acc": "float32",
-            "k_order": "ascending_within_leaf", "autotune": False}
+    c = {"tile_m": bm, "tile_n": bn, "tile_k": bk, "num_warps": nw, "num_stages": ns, "group_m": cfg.gemm_group_m,
+         "dot_precision": DOT_PRECISION, "leaves": leaves, "leaf_tree": "adjacent_pairs", "leaf_acc": "float32",
+         "k_order": "ascending_within_leaf", "autotune": False}
+    if dtype != torch.float32 and cfg.pik_bfloat16_by_leaf_k:
+        c["leaf_k_buckets"] = ";".join(f"leaf_k<={b.max_leaf_k}:{b.loop}:{'x'.join(map(str, b.tiles[:3]))}"
+                                       f":{b.tiles[3]}w:{b.tiles[4]}s:{b.program_leaves}lpp" for b in cfg.pik_bfloat16_by_leaf_k)
+    return c
+
+
+def leaf_program_for(cfg, dtype: torch.dtype, leaf_k: int, split: bool) -> tuple[str, tuple[int, int, int, int, int], int]:
+    """(loop, tiles, most leaves per program) of a leaf GEMM launch with leaves of ``leaf_k`` features: bf16/fp16
+    launches of the in-register tree (``split`` False) the first ``pik_bfloat16_by_leaf_k`` bucket with
+    ``leaf_k <= max_leaf_k``, else ``pik_loop``, the ``pik_gemm_*`` tiles and ``pik_program_leaves``."""
+    if not split and dtype != torch.float32:
+        for b in cfg.pik_bfloat16_by_leaf_k:
+            if leaf_k <= b.max_leaf_k:
+                return b.loop, tuple(b.tiles), b.program_leaves
+    return cfg.pik_loop, tiles_for(cfg, dtype, leaf=True), cfg.pik_program_leaves
 
 
 def _contig_k(t: torch.Tensor) -> torch.Tensor:
@@ -488,16 +505,17 @@ def tree_combine(parts: torch.Tensor, out_dtype: torch.dtype, out: torch.Tensor 
     return y
 
 
-def _launch_leaves(x, w, y, counts, cfg, leaf_k: int, lpp: int, n_sub: int):
-    """One leaf-GEMM launch: programs (tile, subtree) over ``n_sub`` subtrees of ``lpp`` leaves; y is
-    ``[n_sub, R, N]`` (or ``[R, N]`` when n_sub == 1). ``counts``: None (w ``[N, K]``), or the ``[E]`` integer
-    rows per expert on x's device (w ``[E, N, K]``), whose grid has the static T of :func:`_group_tiles`."""
-    BM, BN, BK, nw, ns = tiles_for(cfg, x.dtype, leaf=True)
+def _launch_leaves(x, w, y, counts, cfg, leaf_k: int, lpp: int, n_sub: int, loop: str, tiles):
+    """One leaf-GEMM launch: programs (tile, subtree) over ``n_sub`` subtrees of ``lpp`` leaves, with ``loop`` and
+    ``tiles`` of :func:`leaf_program_for`; y is ``[n_sub, R, N]`` (or ``[R, N]`` when n_sub == 1). ``counts``: None
+    (w ``[N, K]``), or the ``[E]`` integer rows per expert on x's device (w ``[E, N, K]``), whose grid has the static
+    T of :func:`_group_tiles`."""
+    BM, BN, BK, nw, ns = tiles
     R = x.shape[0]
     N = w.shape[-2]
     stride_ys = R * N
     kpl = triton.cdiv(leaf_k, BK)
-    loop = cfg.pik_loop if lpp > 1 else "unrolled"
+    loop = loop if lpp > 1 else "unrolled"
     if counts is None:
         grid = (triton.cdiv(R, BM) * triton.cdiv(N, BN), n_sub)
         _leaf_gemm_kernel[grid](x, w, y, R, N, x.stride(0), w.stride(0), N, 0, stride_ys, x, x, x, 0, kpl,
@@ -512,9 +530,20 @@ def _launch_leaves(x, w, y, counts, cfg, leaf_k: int, lpp: int, n_sub: int):
                             GM=cfg.gemm_group_m, PREC=DOT_PRECISION, num_warps=nw, num_stages=ns)
 
 
-def _program_leaves(cfg, leaves: int, split: bool) -> int:
-    """Leaves per program: 1 for the split launch, else at most ``cfg.pik_program_leaves``."""
-    return 1 if split else min(leaves, cfg.pik_program_leaves)
+def _launch_all(x, w, counts, cfg, leaf_k: int, leaves: int, split: bool, alloc, out_dtype, out=None):
+    """The leaf sums of ``leaves`` leaves: one leaf per program (``split``), else at most :func:`leaf_program_for`'s
+    leaves per program; subtree sums of fewer than ``leaves`` through an fp32 buffer, the upper levels by
+    :func:`tree_combine` (into ``out`` if given)."""
+    loop, tiles, cap = leaf_program_for(cfg, x.dtype, leaf_k, split)
+    lpp = 1 if split else min(leaves, cap)
+    R, N = x.shape[0], w.shape[-2]
+    if lpp < leaves:
+        parts = alloc((leaves // lpp, R, N), device=x.device, dtype=torch.float32)
+        _launch_leaves(x, w, parts, counts, cfg, leaf_k, lpp, leaves // lpp, loop, tiles)
+        return tree_combine(parts, out_dtype, out=out)
+    y = out if out is not None else alloc((R, N), device=x.device, dtype=out_dtype)
+    _launch_leaves(x, w, y, counts, cfg, leaf_k, leaves, 1, loop, tiles)
+    return y
 
 
 def _leaves(x, w, counts, cfg, leaves, out_dtype, split: bool | None):
@@ -530,15 +559,8 @@ def _leaves(x, w, counts, cfg, leaves, out_dtype, split: bool | None):
         split = R <= cfg.pik_split_rows
     if R == 0:
         return torch.empty((R, N), device=x.device, dtype=od)
-    lpp = _program_leaves(cfg, leaves, split)
     alloc = torch.zeros if counts is not None else torch.empty  # grouped tiles may leave rows of empty experts
-    if lpp < leaves:  # subtree sums of lpp leaves through an fp32 buffer, the upper levels by tree_combine
-        parts = alloc((leaves // lpp, R, N), device=x.device, dtype=torch.float32)
-        _launch_leaves(x, w, parts, counts, cfg, leaf_k, lpp, leaves // lpp)
-        return tree_combine(parts, od)
-    y = alloc((R, N), device=x.device, dtype=od)
-    _launch_leaves(x, w, y, counts, cfg, leaf_k, leaves, 1)
-    return y
+    return _launch_all(x, w, counts, cfg, leaf_k, leaves, split, alloc, od)
 
 
 def linear_leaves(x: torch.Tensor, w: torch.Tensor, cfg, leaves: int, out_dtype: torch.dtype | None = None,
@@ -602,20 +624,11 @@ def linear_leaves_partial(x_shard: torch.Tensor, w_shard: torch.Tensor, cfg, lea
     x = _contig_k(x_shard)
     w = w_shard.to(x.dtype).contiguous()
     leaf_k = _check_leaves(x.shape[1], leaves_local)
-    if out is not None:
-        y = out
-    else:
-        y = (torch.zeros if counts is not None else torch.empty)((x.shape[0], w.shape[-2]), device=x.device,
-                                                                 dtype=torch.float32)
+    alloc = torch.zeros if counts is not None else torch.empty
+    y = out if out is not None else alloc((x.shape[0], w.shape[-2]), device=x.device, dtype=torch.float32)
     if x.shape[0]:
-        lpp = _program_leaves(cfg, leaves_local, x.shape[0] <= cfg.pik_split_rows and leaves_local > 1)
-        if lpp < leaves_local:
-            parts = (torch.zeros if counts is not None else torch.empty)(
-                (leaves_local // lpp, x.shape[0], w.shape[-2]), device=x.device, dtype=torch.float32)
-            _launch_leaves(x, w, parts, counts, cfg, leaf_k, lpp, leaves_local // lpp)
-            tree_combine(parts, torch.float32, out=y)
-        else:
-            _launch_leaves(x, w, y, counts, cfg, leaf_k, leaves_local, 1)
+        _launch_all(x, w, counts, cfg, leaf_k, leaves_local, x.shape[0] <= cfg.pik_split_rows and leaves_local > 1,
+                    alloc, torch.float32, out=y)
     return y
 
 
