@@ -159,10 +159,11 @@ class TritonSection(_Section):
         widths = [b.max_leaf_k for b in self.pik_bfloat16_by_leaf_k]
         if widths != sorted(set(widths)):
             raise ValueError(f"kernels.triton.pik_bfloat16_by_leaf_k: max_leaf_k {widths} must be strictly ascending")
-        bk = [b.tiles[2] for b in self.pik_bfloat16_by_leaf_k if b.tiles[2] != self.pik_gemm_bfloat16[2]]
+        bk = [(i, b.tiles[2]) for i, b in enumerate(self.pik_bfloat16_by_leaf_k) if b.tiles[2] != self.pik_gemm_bfloat16[2]]
         if bk:
-            raise ValueError(f"kernels.triton.pik_bfloat16_by_leaf_k: BK {bk[0]} differs from pik_gemm_bfloat16's "
-                             f"{self.pik_gemm_bfloat16[2]}; allowed: the same BK (BK sets the leaf's K steps, i.e. the bits)")
+            raise ValueError(f"kernels.triton.pik_bfloat16_by_leaf_k[{bk[0][0]}].tiles BK={bk[0][1]} differs from "
+                             f"pik_gemm_bfloat16's {self.pik_gemm_bfloat16[2]}; allowed: the same BK (BK sets the leaf's "
+                             "K steps, i.e. the bits)")
         return self
 
 

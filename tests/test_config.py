@@ -139,12 +139,11 @@ def test_leaf_k_buckets_pick_by_leaf_width_for_the_in_register_tree_only_and_are
     assert leaf_program_for(ok, torch.bfloat16, 64, True) == ("flat", (64, 64, 64, 4, 4), 8)
     assert leaf_program_for(ok, torch.float32, 64, False) == ("flat", tuple(ok.pik_gemm_float32), 8)
     assert "leaf_k_buckets" not in leaf_constants(plain, torch.bfloat16, 8)
-    assert leaf_constants(ok, torch.bfloat16, 8)["leaf_k_buckets"] == (
-        "leaf_k<=64:paired:64x64x64:4w:2s:8lpp;leaf_k<=512:paired:128x128x64:8w:3s:4lpp")
+    assert leaf_constants(ok, torch.bfloat16, 8)["leaf_k_buckets"] == "leaf_k<=64:64x64x64:4w:2s;leaf_k<=512:128x128x64:8w:3s"
     assert "leaf_k_buckets" not in leaf_constants(ok, torch.float32, 8)
     with pytest.raises(ValidationError, match=r"max_leaf_k \[512, 64\] must be strictly ascending"):
         TritonSection(pik_gemm_bfloat16=(64, 64, 64, 4, 4), pik_bfloat16_by_leaf_k=[b512, b64])
-    with pytest.raises(ValidationError, match="BK 32 differs from pik_gemm_bfloat16's 64"):
+    with pytest.raises(ValidationError, match=r"pik_bfloat16_by_leaf_k\[0\].tiles BK=32 differs from pik_gemm_bfloat16's 64"):
         TritonSection(pik_gemm_bfloat16=(64, 64, 64, 4, 4), pik_bfloat16_by_leaf_k=[{**b64, "tiles": (64, 64, 32, 4, 2)}])
     with pytest.raises(ValidationError, match=r"pik_bfloat16_by_leaf_k\[0\].program_leaves=3"):
         TritonSection(pik_bfloat16_by_leaf_k=[{**b64, "program_leaves": 3}])

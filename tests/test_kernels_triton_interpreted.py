@@ -409,6 +409,7 @@ import json, torch
 import torch.nn.functional as F
 from isoexec.config import TritonSection
 from isoexec.kernels.gemm.triton import linear_leaves, grouped_linear_leaves, linear_leaves_partial, tree_combine
+import isoexec.kernels.gemm.triton as tg
 torch.manual_seed(0)
 res = {}
 for name, dt in (("fp32", torch.float32), ("fp16", torch.float16)):
@@ -425,7 +426,13 @@ for name, dt in (("fp32", torch.float32), ("fp16", torch.float16)):
         buckets = TritonSection(pik_bfloat16_by_leaf_k=[
             {"max_leaf_k": 32, "loop": "paired", "tiles": [128, 64, 64, 4, 2], "program_leaves": 2},
             {"max_leaf_k": 128, "loop": "flat", "tiles": [128, 64, 64, 8, 2], "program_leaves": 4}])
+        seen, launch = [], tg._launch_leaves  # which program each launch ran
+        tg._launch_leaves = lambda *a: seen.append((a[5], a[6], a[8], tuple(a[9]))) or launch(*a)
         out["buckets"] = linear_leaves(x, w, buckets, 8, torch.float32, split=False)
+        tg._launch_leaves = launch
+        b = [bk for bk in buckets.pik_bfloat16_by_leaf_k if K // 8 <= bk.max_leaf_k][0]
+        want = ((K // 8, b.program_leaves, b.loop, tuple(b.tiles)) if dt == torch.float16
+                else (K // 8, 8, "flat", tuple(buckets.pik_gemm_float32)))
         ref = linear_leaves(x, w, TritonSection(), 8, torch.float32, split=True)  # one leaf per program + tree_combine
         tp = [linear_leaves_partial(x[:, r * K // 4:(r + 1) * K // 4], w[:, r * K // 4:(r + 1) * K // 4],
                                     TritonSection(pik_loop="paired", pik_split_rows=0), 2) for r in range(4)]
@@ -435,7 +442,7 @@ for name, dt in (("fp32", torch.float32), ("fp16", torch.float16)):
         g = grouped_linear_leaves(x, ws, counts, TritonSection(pik_loop="paired"), 8, split=False)
         g_want = torch.cat([linear_leaves(x[:10], ws[0], TritonSection(), 8, split=True),
                             linear_leaves(x[10:], ws[2], TritonSection(), 8, split=True)])
-        res[f"{name}_K{K}"] = {"loops_eq_split": all(torch.equal(v, ref) for v in out.values()),
+        res[f"{name}_K{K}"] = {"loops_eq_split": all(torch.equal(v, ref) for v in out.values()), "dispatch": seen == [want],
                                "tp4_eq": torch.equal(tp4, ref), "grouped_eq": torch.equal(g, g_want),
                                "native_differs": not torch.equal(F.linear(x.float(), w.float()), ref)}
 print(json.dumps(res))
@@ -444,7 +451,7 @@ print(json.dumps(res))
 
 def test_leaf_gemm_loop_shapes_give_the_same_bits_in_the_interpreter():
     """The leaf GEMM's loop shapes (``pik_loop`` flat and paired) at 8, 4 and 2 leaves per program, leaf-width buckets
-    (``pik_bfloat16_by_leaf_k``), a TP=4 rank's
+    (``pik_bfloat16_by_leaf_k``, each launch's loop, tiles and leaves per program recorded), a TP=4 rank's
     subtree (paired) through the combine, and the grouped launch give the one-leaf-per-program launch's fp32 rows,
     fp32 and fp16 inputs, leaves of one partial K step and of several; the native ``F.linear`` differs (negative
     control). The compiled kernels: ``tests/test_kernels_triton.py`` on a GPU."""
@@ -452,5 +459,5 @@ def test_leaf_gemm_loop_shapes_give_the_same_bits_in_the_interpreter():
     r = subprocess.run([sys.executable, "-c", _LEAF_CASE], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(r.stdout.strip().splitlines()[-1])
-    assert res and all(v == {"loops_eq_split": True, "tp4_eq": True, "grouped_eq": True, "native_differs": True}
+    assert res and all(v == {"loops_eq_split": True, "dispatch": True, "tp4_eq": True, "grouped_eq": True, "native_differs": True}
                        for v in res.values()), res

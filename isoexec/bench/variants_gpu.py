@@ -121,7 +121,9 @@ def _variants_leaf(leaf_shapes, data, timed, tc0, G, rec):
     lcub = {sh: timed(F.linear, ldata[sh]) for sh in leaf_shapes}
     xl = torch.randn(300, 2048, device=dev, dtype=bf)
     wl = torch.randn(1024, 2048, device=dev, dtype=bf) * 0.02
-    pinned = t_gemm.linear_leaves(xl, wl, tc0, G, split=False)
+    plain = tc0.model_copy(update={"pik_bfloat16_by_leaf_k": ()})  # the pinned program alone, the bits' reference
+    pinned = t_gemm.linear_leaves(xl, wl, plain, G, split=False)
+    pinned_at = {sh: t_gemm.linear_leaves(*ldata[sh][0], plain, G, split=False) for sh in leaf_shapes}  # each leaf width
     # the flat loop at the tiles measured best before (results/h200/leaf_gemm/README.md), then the paired loop at the
     # tiles that compile for sm90 without spills (results/h200/leaf_gemm/sm90_compile/compile.csv)
     cands = [("flat", (64, 64, 64, 4, 4), 8), ("flat", (128, 64, 64, 8, 3), 8), ("flat", (128, 128, 64, 8, 3), 2),
@@ -143,15 +145,17 @@ def _variants_leaf(leaf_shapes, data, timed, tc0, G, rec):
             ok &= torch.equal(full[5], t_gemm.linear_leaves(xl[5:6], wl, cand, G, split=False)[0])
             for tp in (2, 4, 8):
                 sv = 2048 // tp
-                parts = torch.stack([t_gemm.linear_leaves_partial(xl[:, i * sv:(i + 1) * sv], wl[:, i * sv:(i + 1) * sv], cand, G // tp)
+                tree = cand.model_copy(update={"pik_split_rows": 0})  # the ranks' in-register trees, not the split launch
+                parts = torch.stack([t_gemm.linear_leaves_partial(xl[:, i * sv:(i + 1) * sv], wl[:, i * sv:(i + 1) * sv], tree, G // tp)
                                      for i in range(tp)])
                 ok &= torch.equal(t_gemm.tree_combine(parts, bf), full)
             for sh in leaf_shapes:
+                same_at = bool(torch.equal(t_gemm.linear_leaves(*ldata[sh][0], cand, G, split=False), pinned_at[sh]))
                 for split in ((None,) if sh[1] > 256 else (True, False)):
                     t = timed(lambda a, b: t_gemm.linear_leaves(a, b, cand, G, split=split), ldata[sh])
                     rec(what="leaf_gemm", config=f"{conf} split={split}", shape=f"{sh[0]} {sh[1]}x{sh[2]}@{sh[2]}x{sh[3]}", ms=t,
                         ref_ms=lcub[sh], frac_of_ref_throughput=lcub[sh] / t, bitwise_ok=bool(ok),
-                        equal_pinned_tiles=same_as_pinned)
+                        equal_pinned_tiles=same_as_pinned, equal_pinned_at_shape=same_at)
         except Exception as e:
             rec(what="leaf_gemm", config=conf, error=f"{type(e).__name__}: {str(e)[:200]}")
 

@@ -278,7 +278,8 @@ def run(config: str, out: str, work: str, shapes: list[str], group: int, deadlin
     try:
         # compile / autotune outside the timings: a small batch (the isoexec engines capture their decode graphs at
         # their first decode step), then each timed shape's prefill with 2 new tokens for the timed engines (at 4c8595d
-        # the first 32 x (128 + 128) through the plugin took 1.89 s, a later 32 x (128 + 64) under cProfile 0.62 s)
+        # the first 32 x (128 + 128) through the plugin took 14.8 ms per new token, a later 32 x (128 + 64) of other
+        # prompts 9.9 ms under cProfile)
         for name, w in engines.items():
             try:
                 seconds = [w.call("generate", prompts=prompts_for(plan.vocab, 2, 64, 1), n=2, max_tokens=16, seed=0)["seconds"]]

@@ -303,17 +303,18 @@ def leaf_constants(cfg, dtype: torch.dtype, leaves: int) -> dict:
     c = {"tile_m": bm, "tile_n": bn, "tile_k": bk, "num_warps": nw, "num_stages": ns, "group_m": cfg.gemm_group_m,
          "dot_precision": DOT_PRECISION, "leaves": leaves, "leaf_tree": "adjacent_pairs", "leaf_acc": "float32",
          "k_order": "ascending_within_leaf", "autotune": False}
-    if dtype != torch.float32 and cfg.pik_bfloat16_by_leaf_k:
-        c["leaf_k_buckets"] = ";".join(f"leaf_k<={b.max_leaf_k}:{b.loop}:{'x'.join(map(str, b.tiles[:3]))}"
-                                       f":{b.tiles[3]}w:{b.tiles[4]}s:{b.program_leaves}lpp" for b in cfg.pik_bfloat16_by_leaf_k)
+    if dtype in (torch.bfloat16, torch.float16) and cfg.pik_bfloat16_by_leaf_k:  # tiles, as the fields above
+        c["leaf_k_buckets"] = ";".join(f"leaf_k<={b.max_leaf_k}:{'x'.join(map(str, b.tiles[:3]))}:{b.tiles[3]}w:{b.tiles[4]}s"
+                                       for b in cfg.pik_bfloat16_by_leaf_k)
     return c
 
 
 def leaf_program_for(cfg, dtype: torch.dtype, leaf_k: int, split: bool) -> tuple[str, tuple[int, int, int, int, int], int]:
     """(loop, tiles, most leaves per program) of a leaf GEMM launch with leaves of ``leaf_k`` features: bf16/fp16
     launches of the in-register tree (``split`` False) the first ``pik_bfloat16_by_leaf_k`` bucket with
-    ``leaf_k <= max_leaf_k``, else ``pik_loop``, the ``pik_gemm_*`` tiles and ``pik_program_leaves``."""
-    if not split and dtype != torch.float32:
+    ``leaf_k <= max_leaf_k``, else ``pik_loop``, the ``pik_gemm_*`` tiles and ``pik_program_leaves`` (one leaf per
+    program, ``split``, always the latter: the buckets were timed for programs of several leaves)."""
+    if not split and dtype in (torch.bfloat16, torch.float16):
         for b in cfg.pik_bfloat16_by_leaf_k:
             if leaf_k <= b.max_leaf_k:
                 return b.loop, tuple(b.tiles), b.program_leaves
@@ -534,7 +535,7 @@ def _launch_all(x, w, counts, cfg, leaf_k: int, leaves: int, split: bool, alloc,
     """The leaf sums of ``leaves`` leaves: one leaf per program (``split``), else at most :func:`leaf_program_for`'s
     leaves per program; subtree sums of fewer than ``leaves`` through an fp32 buffer, the upper levels by
     :func:`tree_combine` (into ``out`` if given)."""
-    loop, tiles, cap = leaf_program_for(cfg, x.dtype, leaf_k, split)
+    loop, tiles, cap = leaf_program_for(cfg, x.dtype, leaf_k, split or leaves == 1)
     lpp = 1 if split else min(leaves, cap)
     R, N = x.shape[0], w.shape[-2]
     if lpp < leaves:
