@@ -114,7 +114,7 @@ class TritonSection(_Section):
         "picks its loop, tiles and leaves per program; wider leaves and the split launch run pik_loop, "
         "pik_gemm_bfloat16 and pik_program_leaves. BK is pik_gemm_bfloat16's: the K steps and the tree fix the bits, "
         "BM, BN, warps, stages, loop and leaves per program move none (results/h200/leaf_gemm/paired_4c8595d checks "
-        "every candidate against the pinned tiles on an H200)")
+        "every candidate against the pinned tiles on an H200, on one check matrix)")
     attn_block_m: PositiveInt = Field(64, description="attention query rows per tile")
     attn_num_warps: PositiveInt = Field(8, description="attention warps per tile (fixes the row reductions' layout)")
     attn_num_stages: PositiveInt = Field(2, description="attention K/V software-pipelining depth")

@@ -104,7 +104,7 @@ def test_leaf_gemm_bitwise_across_tp_subtrees_and_launches(dtype, k, program_lea
 def test_leaf_k_buckets_give_the_bits_of_the_pinned_program_and_another_tree_does_not():
     """Launches whose leaf width falls in a ``pik_bfloat16_by_leaf_k`` bucket (other loop, tiles and leaves per
     program) give the pinned program's rows at every width of the h200 configs' buckets, in every launch, at TP 2 and
-    in the grouped (expert) launch; four leaves instead of eight differ (negative control)."""
+    in the grouped (expert) launch; four leaves instead of eight and cuBLAS's ``F.linear`` differ (negative controls)."""
     from isoexec.config import LeafKBucket
     from isoexec.kernels.gemm.triton import grouped_linear_leaves, linear_leaves, linear_leaves_partial, tree_combine
 
@@ -129,6 +129,7 @@ def test_leaf_k_buckets_give_the_bits_of_the_pinned_program_and_another_tree_doe
         g = grouped_linear_leaves(x, ws, counts, by_k, 8, split=False)
         assert torch.equal(g, torch.cat([ref[:250], linear_leaves(x[250:], ws[2], pinned, 8, split=False)])), k
     assert not torch.equal(linear_leaves(x, w, by_k, 4), ref)
+    assert not torch.equal(F.linear(x, w), ref)
 
 
 def test_row_parallel_cublas_sum_of_shards_differs_negative_control():
