@@ -109,6 +109,43 @@ def test_engine_benchmark_dry_run_on_cpu_isoexec_bitwise_native_not(tmp_path):
     assert (out / "profile" / "isoexec.cprofile.txt").exists() and (out / "provenance.json").exists()
 
 
+def test_rollout_check_scorers_run_one_at_a_time_and_each_is_closed(tmp_path, monkeypatch):
+    """At most one scorer process alive at once (three Megatron/unified loads at once come to about 105 GB of host
+    memory at h200-rlstep), every one closed, a failing one included, and the others still scored."""
+    from isoexec.bench import vllm_gpu
+    from isoexec.bench.workers import WorkerError
+
+    alive, peak, made = set(), [0], []
+
+    class Spy:
+        def __init__(self, name, target, *args):
+            self.name = name
+            alive.add(name)
+            made.append(name)
+            peak[0] = max(peak[0], len(alive))
+
+        def submit(self, cmd, timeout=None, **kw):
+            assert cmd == "score" and kw["files"]
+
+        def result(self, timeout=None):
+            if self.name == "megatron-isoexec":
+                raise WorkerError("megatron-isoexec: out of memory")
+            return {"tokens": 8, "mismatch_count": 0, "logprob_abs_diff_max": 0.0, "full_vocab_rows_equal": 0,
+                    "full_vocab_rows": 0}
+
+        def close(self, timeout=60.0):
+            alive.discard(self.name)
+
+    monkeypatch.setattr(vllm_gpu, "Worker", Spy)
+    plan = vllm_gpu.Plan("experiments/ci-tiny.yaml", tmp_path / "out", tmp_path / "work", 60, log=lambda *_: None)
+    plan.samples = {"isoexec": ["iso.pt"], "native": ["nat.pt"]}
+    rows = vllm_gpu.score_all(plan, tmp_path)
+    assert made == ["unified-isoexec", "megatron-isoexec", "megatron-native"]
+    assert peak[0] == 1 and not alive
+    assert [r["trainer"] for r in rows] == ["unified-isoexec", "megatron-native"]
+    assert [e["stage"] for e in plan.events] == ["rollout_check", "rollout_check_failed", "rollout_check"]
+
+
 def test_native_gdn_ba_made_contiguous_on_gpu_platforms_only(monkeypatch):
     """vllm_compat.contiguous_gdn_ba: vLLM's own ``fix_query_key_value_ordering`` returns b and a with
     last-dim stride 2 when value heads equal key heads (the negative control: the GPU decode kernel refuses

@@ -236,18 +236,21 @@ def profile(plan: Plan, engines: dict[str, Worker], shape: tuple[int, int, int],
 
 
 def score_all(plan: Plan, ckpt: Path) -> list[dict[str, Any]]:
-    """Rollout check: every mode's samples scored by its trainers, each in its own process; the trainers load at once
-    and score one after another, each closed (its GPU memory freed) once it has answered: three scoring beside each
-    other on one H200 ran out of memory at h200-rlstep (the native Megatron scorer's [T, V] rows,
-    ``results/h200-vllm/7c241ee``)."""
+    """Rollout check: every mode's samples scored by its trainers, each in its own process, one trainer at a time
+    (started, scoring, closed before the next starts). At h200-rlstep a Megatron scorer's load peaks at about 5 times
+    the checkpoint in host memory (17.8 GB RSS for a 3.46 GB one-layer checkpoint on the CPU, the unified model's
+    2.4 times): the three loading at once, 2 x 42 + 20 GB at the 8.16 GB checkpoint, are the likely end of the
+    H100 nodes lost while they loaded (``results/h200-vllm/571a25e-h100``); three scoring at once ran out of GPU memory
+    on an H200 (``results/h200-vllm/7c241ee``)."""
     jobs = [("isoexec", "unified"), ("isoexec", "megatron"), ("native", "megatron")]
-    workers = {(m, b): Worker(f"{b}-{m}", trainer_main, plan.config, str(ckpt), b, m) for m, b in jobs
-               if plan.samples[m]}
     k = plan.cfg.kernels
     rows = []
-    for (mode, backend), w in workers.items():
+    for mode, backend in jobs:
+        if not plan.samples[mode]:
+            continue
+        w = Worker(f"{backend}-{mode}", trainer_main, plan.config, str(ckpt), backend, mode)
         try:
-            # at least SCORE_FLOOR_S: at h200-rlstep the unified scorer took over 120 s to load beside two Megatron ones
+            # at least SCORE_FLOOR_S each, past the run's deadline: the check is the run's point
             w.submit("score", timeout=max(plan.left(), SCORE_FLOOR_S), files=plan.samples[mode], chunk_size=k.chunk_size,
                      kv_block=k.kv_block)
             r = w.result(max(plan.left(), SCORE_FLOOR_S))
@@ -257,8 +260,9 @@ def score_all(plan: Plan, ckpt: Path) -> list[dict[str, Any]]:
                       full_vocab_rows_equal=f"{r['full_vocab_rows_equal']}/{r['full_vocab_rows']}")
         except WorkerError as e:
             plan.note(stage="rollout_check_failed", mode=mode, trainer=backend, error=str(e)[-4000:])
-        w.close()
-    _write(plan, "rollout_check.csv", rows)
+        finally:
+            w.close()
+        _write(plan, "rollout_check.csv", rows)
     return rows
 
 

@@ -10,7 +10,8 @@
 #    stages, so that it only takes device time they left)                    -> $JOB_OUT/leaf_variants/, leaf_variants.log
 # 5. (chunkwise) issue 37's chunkwise in-chunk CPR candidate against today's CPR and fla, its decode rows checked
 #    bit for bit (python -m isoexec.bench.gpu cpr_chunkwise)          -> $JOB_OUT/cpr_chunkwise/, cpr_chunkwise.log
-# and nvidia-smi's utilisation every 5 s (gpu_util.csv). Settings: CONFIG (experiments/h200-rlstep.yaml), GEN (the
+# and every 5 s nvidia-smi's utilisation (gpu_util.csv) and the host's memory in MiB (host_mem.csv: a node lost while
+# three scorers loaded, results/h200-vllm/571a25e-h100, logged only the GPU's). Settings: CONFIG (experiments/h200-rlstep.yaml), GEN (the
 # generation shapes), DEADLINE (vllm_gpu's --deadline-s), T_TESTS / T_VLLM / T_RLSTEP / T_LEAF (time limits, s;
 # T_LEAF=0 skips stage 4; T_CHUNKWISE), STAGES (which stages, in the order given: "tests vllm rlstep leaf chunkwise";
 # with little device time left, e.g. "vllm rlstep tests leaf"). Exit status: the last failing stage's; every stage runs whatever the
@@ -26,6 +27,8 @@ for stage in $STAGES; do
 done
 s=0
 nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used --format=csv -l 5 > "$O/gpu_util.csv" 2>/dev/null &
+{ echo "time,total_mib,used_mib,available_mib"
+  while sleep 5; do free -m | awk -v t="$(date -u +%T)" '/^Mem:/ {print t "," $2 "," $3 "," $7}'; done; } > "$O/host_mem.csv" &
 tests() {
   timeout "${T_TESTS:-220}" python3 -m pytest -q -p no:cacheprovider tests/test_decode_graphs.py tests/test_kernels_triton.py \
     > "$O/gpu_tests.log" 2>&1 || s=$?
@@ -56,5 +59,5 @@ chunkwise() {
   tail -n 4 "$O/cpr_chunkwise.log"
 }
 for stage in $STAGES; do echo "gpu_vllm_job: $stage ($(date -u +%T))"; $stage; done
-kill %1 2>/dev/null
+kill %1 %2 2>/dev/null
 exit $s
