@@ -146,6 +146,38 @@ def test_rollout_check_scorers_run_one_at_a_time_and_each_is_closed(tmp_path, mo
     assert [e["stage"] for e in plan.events] == ["rollout_check", "rollout_check_failed", "rollout_check"]
 
 
+def test_native_engine_is_up_before_the_plugin_engines_start(tmp_path, monkeypatch):
+    """vLLM refuses to start below its ``gpu_memory_utilization`` share of free memory, and the plugin's engines
+    hold memory outside theirs: native is made and ready before isoexec and isoexec-check are made (on an H100
+    native failed when all three started at once); a failing engine is closed and left out, the others kept."""
+    from isoexec.bench import vllm_gpu
+    from isoexec.bench.workers import WorkerError
+
+    order = []
+
+    class Spy:
+        def __init__(self, name, target, *args):
+            self.name = name
+            order.append(("made", name))
+
+        def ready(self, timeout=None):
+            order.append(("ready", self.name))
+            if self.name == "isoexec-check":
+                raise WorkerError("isoexec-check: out of memory")
+            return {"start_s": 1.0}
+
+        def close(self, timeout=60.0):
+            order.append(("closed", self.name))
+
+    monkeypatch.setattr(vllm_gpu, "Worker", Spy)
+    plan = vllm_gpu.Plan("experiments/ci-tiny.yaml", tmp_path / "out", tmp_path / "work", 60, log=lambda *_: None)
+    engines = vllm_gpu.start_engines(plan, tmp_path, 8, 256, 512)
+    assert order[:2] == [("made", "native"), ("ready", "native")]
+    assert set(order[2:4]) == {("made", "isoexec"), ("made", "isoexec-check")}
+    assert ("closed", "isoexec-check") in order and list(engines) == ["native", "isoexec"]
+    assert [e["stage"] for e in plan.events].count("engine_failed") == 1
+
+
 def test_native_gdn_ba_made_contiguous_on_gpu_platforms_only(monkeypatch):
     """vllm_compat.contiguous_gdn_ba: vLLM's own ``fix_query_key_value_ordering`` returns b and a with
     last-dim stride 2 when value heads equal key heads (the negative control: the GPU decode kernel refuses
