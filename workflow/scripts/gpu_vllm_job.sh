@@ -12,7 +12,8 @@
 #    bit for bit (python -m isoexec.bench.gpu cpr_chunkwise)          -> $JOB_OUT/cpr_chunkwise/, cpr_chunkwise.log
 # and every 5 s nvidia-smi's utilisation (gpu_util.csv) and the host's memory in MiB (host_mem.csv: a node lost while
 # three scorers loaded, results/h200-vllm/571a25e-h100, logged only the GPU's). Settings: CONFIG (experiments/h200-rlstep.yaml), GEN (the
-# generation shapes), DEADLINE (vllm_gpu's --deadline-s), T_TESTS / T_VLLM / T_RLSTEP / T_LEAF (time limits, s;
+# generation shapes), DEADLINE (vllm_gpu's --deadline-s), RLSTEP_CONFIG and RLSTEP_ARGS (stage 3's experiment, CONFIG unless
+# set, and further rl_step options, e.g. "--new-tokens 128": h200-rlstep's trainer does not fit an H100), T_TESTS / T_VLLM / T_RLSTEP / T_LEAF (time limits, s;
 # T_LEAF=0 skips stage 4; T_CHUNKWISE), STAGES (which stages, in the order given: "tests vllm rlstep leaf chunkwise";
 # with little device time left, e.g. "vllm rlstep tests leaf"). Exit status: the last failing stage's; every stage runs whatever the
 # others did.
@@ -40,8 +41,9 @@ vllm() {
   grep -o '"stage": "[a-z_]*"' "$O/vllm_gpu.log" | sort | uniq -c
 }
 rlstep() {  # the same --work as vllm_gpu's default: the random checkpoint is made once
-  timeout "${T_RLSTEP:-840}" python3 -m isoexec.bench.rl_step --config "$CONFIG" --engine vllm --out "$O/rl_step.csv" \
-    --work /tmp/isoexec-vllm-gpu > "$O/rl_step.log" 2>&1 || s=$?
+  # shellcheck disable=SC2086 # RLSTEP_ARGS: options, split on purpose
+  timeout "${T_RLSTEP:-840}" python3 -m isoexec.bench.rl_step --config "${RLSTEP_CONFIG:-$CONFIG}" --engine vllm \
+    --out "$O/rl_step.csv" --work /tmp/isoexec-vllm-gpu ${RLSTEP_ARGS:-} > "$O/rl_step.log" 2>&1 || s=$?
   grep '^{' "$O/rl_step.log" | cut -c1-300
 }
 leaf() {
