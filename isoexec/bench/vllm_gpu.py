@@ -242,11 +242,10 @@ def profile(plan: Plan, engines: dict[str, Worker], shape: tuple[int, int, int],
 
 def score_all(plan: Plan, ckpt: Path) -> list[dict[str, Any]]:
     """Rollout check: every mode's samples scored by its trainers, each in its own process, one trainer at a time
-    (started, scoring, closed before the next starts). At h200-rlstep a Megatron scorer's load peaks at about 5 times
-    the checkpoint in host memory (17.8 GB RSS for a 3.46 GB one-layer checkpoint on the CPU, the unified model's
-    2.4 times): the three loading at once, 2 x 42 + 20 GB at the 8.16 GB checkpoint, are the likely end of the
-    H100 nodes lost while they loaded (``results/h200-vllm/571a25e-h100``); three scoring at once ran out of GPU memory
-    on an H200 (``results/h200-vllm/7c241ee``)."""
+    (started, scoring, closed before the next starts). Three scoring at once ran out of GPU memory on an H200
+    (``results/h200-vllm/7c241ee``); three loading at once were the last thing two H100 nodes did before they were
+    lost (``results/h200-vllm/571a25e-h100``, cause not known). One at a time at h200-rlstep on an H100, the host's
+    memory in use peaked at 19.8 GiB (``results/h200-vllm/836eef6-h100``)."""
     jobs = [("isoexec", "unified"), ("isoexec", "megatron"), ("native", "megatron")]
     k = plan.cfg.kernels
     rows = []
