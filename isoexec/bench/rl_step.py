@@ -410,6 +410,6 @@ if __name__ == "__main__":
     try:
         run(a.config, a.out, a.steps, a.prompt_len, sets=tuple(x for x in a.sets.split(",") if x),
             new_tokens=a.new_tokens, engine=a.engine, work=a.work)
-    except ValueError as e:
+    except (ValueError, FileNotFoundError) as e:  # load_config: a missing file is FileNotFoundError
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None

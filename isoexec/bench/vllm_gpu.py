@@ -245,7 +245,7 @@ def score_all(plan: Plan, ckpt: Path) -> list[dict[str, Any]]:
     (started, scoring, closed before the next starts). Three scoring at once ran out of GPU memory on an H200
     (``results/h200-vllm/7c241ee``); three loading at once were the last thing two H100 nodes did before they were
     lost (``results/h200-vllm/571a25e-h100``, cause not known). One at a time at h200-rlstep on an H100, the host's
-    memory in use peaked at 19.8 GiB (``results/h200-vllm/836eef6-h100``)."""
+    memory in use peaked at 19.4 GiB (``results/h200-vllm/836eef6-h100``)."""
     jobs = [("isoexec", "unified"), ("isoexec", "megatron"), ("native", "megatron")]
     k = plan.cfg.kernels
     rows = []
@@ -327,7 +327,7 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
     try:
         run(a.config, a.out_dir, a.work, a.gen.split(","), a.group, a.deadline_s)
-    except ValueError as e:
+    except (ValueError, FileNotFoundError) as e:  # load_config: a missing file is FileNotFoundError
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
 
