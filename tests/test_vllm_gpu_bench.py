@@ -110,8 +110,9 @@ def test_engine_benchmark_dry_run_on_cpu_isoexec_bitwise_native_not(tmp_path):
 
 
 def test_rollout_check_scorers_run_one_at_a_time_and_each_is_closed(tmp_path, monkeypatch):
-    """At most one scorer process alive at once (three at once ran out of an H200's memory, and were the last thing
-    two lost H100 nodes did), every one closed, a failing one included, and the others still scored."""
+    """At most one scorer process alive at once (three scoring at once ran out of an H200's GPU memory; three loading
+    at once were the last thing two lost H100 nodes did), every one closed, a failing one included, and the others
+    still scored."""
     from isoexec.bench import vllm_gpu
     from isoexec.bench.workers import WorkerError
 
