@@ -62,14 +62,22 @@ class GemmRowBucket(_Section):
 
 
 class LeafKBucket(_Section):
-    """Leaf GEMM programs of several leaves, each leaf at most ``max_leaf_k`` features wide, run this loop with these
-    tiles and at most this many leaves per program (see ``TritonSection.pik_bfloat16_by_leaf_k``)."""
+    """Leaf GEMM launches with leaves at most ``max_leaf_k`` features wide (and, with ``max_rows``, at most that many
+    rows) run this loop with these tiles, at most this many leaves per program, and add the top of the tree where
+    ``top`` says (see ``TritonSection.pik_bfloat16_by_leaf_k``)."""
 
     max_leaf_k: PositiveInt
+    max_rows: PositiveInt | None = Field(
+        None, description="None: launches of more than pik_split_rows rows (the in-register tree); a number: launches "
+        "of at most that many rows, whatever pik_split_rows says (decode)")
     loop: Literal["flat", "paired"]
     tiles: tuple[PositiveInt, PositiveInt, PositiveInt, PositiveInt, PositiveInt] = Field(
         description="BM, BN, BK, num_warps, num_stages; BK must be pik_gemm_bfloat16's")
-    program_leaves: PositiveInt
+    program_leaves: PositiveInt = Field(description="a power of two; 1 is the split launch (one leaf per program)")
+    top: Literal["combine", "in_kernel"] = Field(
+        "combine", description="a launch that leaves two subtree sums per output tile adds them in tree_combine (a "
+        "second kernel reading both fp32 planes) or in the leaf kernel itself (the tile's second program waits for "
+        "the first's fp32 partial and adds it); the same fp32 addition either way")
 
 
 class TritonSection(_Section):
@@ -109,12 +117,13 @@ class TritonSection(_Section):
         "time (two tensor-core chains in flight, the tree climbed after each pair; isoexec/kernels/gemm/triton.py). "
         "Same additions in the same order (not bit-relevant, so not in the contract)")
     pik_bfloat16_by_leaf_k: tuple[LeafKBucket, ...] = Field(
-        (), description="bf16/fp16 leaf GEMM launches of the in-register tree (more rows than pik_split_rows): the "
-        "first bucket, by ascending max_leaf_k, that holds the launch's leaf width (K / leaves; the same at every TP) "
-        "picks its loop, tiles and leaves per program; wider leaves and the split launch run pik_loop, "
-        "pik_gemm_bfloat16 and pik_program_leaves. BK is pik_gemm_bfloat16's: the K steps and the tree fix the bits, "
-        "BM, BN, warps, stages, loop and leaves per program move none (results/h200/leaf_gemm/paired_4c8595d checks "
-        "every candidate against the pinned tiles on an H200, on one check matrix)")
+        (), description="bf16/fp16 leaf GEMM launches by leaf width (K / leaves; the same at every TP) and rows: the "
+        "first bucket with max_rows (ascending by max_rows, then max_leaf_k) that holds the launch's rows and leaf "
+        "width, else, for more rows than pik_split_rows, the first bucket without max_rows (ascending max_leaf_k) that "
+        "holds its leaf width, picks its loop, tiles, leaves per program and top; other launches run pik_loop, "
+        "pik_gemm_bfloat16 and pik_program_leaves (at most pik_split_rows rows: one leaf per program). BK is "
+        "pik_gemm_bfloat16's: the K steps and the tree fix the bits, BM, BN, warps, stages, loop, leaves per program "
+        "and top move none (results/h200/leaf_gemm/ checks every candidate against the pinned tiles on the GPU)")
     attn_block_m: PositiveInt = Field(64, description="attention query rows per tile")
     attn_num_warps: PositiveInt = Field(8, description="attention warps per tile (fixes the row reductions' layout)")
     attn_num_stages: PositiveInt = Field(2, description="attention K/V software-pipelining depth")
@@ -156,9 +165,14 @@ class TritonSection(_Section):
         rows = [b.max_rows for b in self.gemm_bfloat16_by_rows]
         if rows != sorted(set(rows)):
             raise ValueError(f"kernels.triton.gemm_bfloat16_by_rows: max_rows {rows} must be strictly ascending")
-        widths = [b.max_leaf_k for b in self.pik_bfloat16_by_leaf_k]
+        widths = [b.max_leaf_k for b in self.pik_bfloat16_by_leaf_k if b.max_rows is None]
         if widths != sorted(set(widths)):
-            raise ValueError(f"kernels.triton.pik_bfloat16_by_leaf_k: max_leaf_k {widths} must be strictly ascending")
+            raise ValueError(f"kernels.triton.pik_bfloat16_by_leaf_k: max_leaf_k {widths} of the buckets without max_rows "
+                             "must be strictly ascending")
+        by_rows = [(b.max_rows, b.max_leaf_k) for b in self.pik_bfloat16_by_leaf_k if b.max_rows is not None]
+        if by_rows != sorted(set(by_rows)):
+            raise ValueError(f"kernels.triton.pik_bfloat16_by_leaf_k: (max_rows, max_leaf_k) {by_rows} of the buckets "
+                             "with max_rows must be strictly ascending")
         bk = [(i, b.tiles[2]) for i, b in enumerate(self.pik_bfloat16_by_leaf_k) if b.tiles[2] != self.pik_gemm_bfloat16[2]]
         if bk:
             raise ValueError(f"kernels.triton.pik_bfloat16_by_leaf_k[{bk[0][0]}].tiles BK={bk[0][1]} differs from "

@@ -101,18 +101,24 @@ def test_leaf_gemm_bitwise_across_tp_subtrees_and_launches(dtype, k, program_lea
     assert _rel(full.float(), (x.double() @ w.double().T).float()) < (1e-2 if dtype == torch.bfloat16 else 1e-5)
 
 
-def test_leaf_k_buckets_give_the_bits_of_the_pinned_program_and_another_tree_does_not():
-    """Launches whose leaf width falls in a ``pik_bfloat16_by_leaf_k`` bucket (other loop, tiles and leaves per
-    program) give the pinned program's rows at every width of the h200 configs' buckets, in every launch, at TP 2 and
-    in the grouped (expert) launch; four leaves instead of eight and cuBLAS's ``F.linear`` differ (negative controls)."""
+@pytest.mark.parametrize("top", ["combine", "in_kernel"])
+def test_leaf_k_buckets_give_the_bits_of_the_pinned_program_and_another_tree_does_not(top):
+    """Launches whose leaf width (and, for decode, rows) falls in a ``pik_bfloat16_by_leaf_k`` bucket (other loop,
+    tiles, leaves per program, and the two subtrees of a tile added in tree_combine or in the leaf kernel, ``top``) give
+    the pinned program's rows at every width of the h200 configs' buckets, in every launch, at 1 and 256 rows, at TP 2
+    and in the grouped (expert) launch; four leaves instead of eight and cuBLAS's ``F.linear`` differ (negative
+    controls)."""
     from isoexec.config import LeafKBucket
     from isoexec.kernels.gemm.triton import grouped_linear_leaves, linear_leaves, linear_leaves_partial, tree_combine
 
     pinned = CFG.model_copy(update={"pik_gemm_bfloat16": (64, 64, 64, 4, 4), "pik_loop": "flat", "pik_program_leaves": 8})
-    buckets = (LeafKBucket(max_leaf_k=64, loop="paired", tiles=(64, 64, 64, 4, 2), program_leaves=8),
-               LeafKBucket(max_leaf_k=128, loop="paired", tiles=(64, 64, 64, 4, 3), program_leaves=8),
+    buckets = (LeafKBucket(max_rows=256, max_leaf_k=256, loop="paired", tiles=(64, 64, 64, 4, 3), program_leaves=1),
+               LeafKBucket(max_rows=256, max_leaf_k=512, loop="paired", tiles=(128, 128, 64, 8, 3), program_leaves=4,
+                           top=top),
+               LeafKBucket(max_leaf_k=64, loop="paired", tiles=(64, 64, 64, 4, 2), program_leaves=8),
+               LeafKBucket(max_leaf_k=128, loop="paired", tiles=(64, 64, 64, 4, 3), program_leaves=4, top=top),
                LeafKBucket(max_leaf_k=256, loop="paired", tiles=(128, 64, 64, 8, 3), program_leaves=8),
-               LeafKBucket(max_leaf_k=512, loop="paired", tiles=(128, 128, 64, 8, 3), program_leaves=4))
+               LeafKBucket(max_leaf_k=512, loop="paired", tiles=(128, 128, 64, 8, 3), program_leaves=4, top=top))
     by_k = pinned.model_copy(update={"pik_bfloat16_by_leaf_k": buckets})
     for k in (512, 1024, 2048, 4096):
         x = torch.randn(600, k, device=DEV, dtype=torch.bfloat16)
@@ -121,9 +127,13 @@ def test_leaf_k_buckets_give_the_bits_of_the_pinned_program_and_another_tree_doe
         assert torch.equal(linear_leaves(x, w, by_k, 8, split=False), ref), k
         assert torch.equal(linear_leaves(x, w, by_k, 8), ref), k  # 600 rows > pik_split_rows: the bucket's launch
         assert torch.equal(linear_leaves(x, w, by_k, 8, split=True), ref), k
+        for m in (1, 256):  # the rows buckets (leaves of 256 and 512), the split launch for the others
+            assert torch.equal(linear_leaves(x[:m], w, by_k, 8), ref[:m]), (k, m)
         parts = torch.stack([linear_leaves_partial(x[:, r * k // 2:(r + 1) * k // 2], w[:, r * k // 2:(r + 1) * k // 2],
                                                    by_k.model_copy(update={"pik_split_rows": 0}), 4) for r in range(2)])
         assert torch.equal(tree_combine(parts, torch.bfloat16), ref), k
+        full = linear_leaves_partial(x, w, by_k.model_copy(update={"pik_split_rows": 0}), 8)  # fp32, one rank of all 8
+        assert torch.equal(full.to(torch.bfloat16), ref), k
         counts = torch.tensor([250, 0, 350], device=DEV)
         ws = torch.stack([w, w.flip(0), w * 0.5])
         g = grouped_linear_leaves(x, ws, counts, by_k, 8, split=False)

@@ -52,7 +52,8 @@ def test_constant_one_step_leaf_loop_folds_the_tree_add_into_the_dot_negative_co
     assert dots == 2 and adds == 0
 
 
-_LEAF_SIG = {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*fp32", "M": "i32", "N": "i32", "stride_xm": "i32",
+_LEAF_SIG = {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*fp32", "part_ptr": "*fp32", "flag_ptr": "*i32", "M": "i32",
+             "N": "i32", "stride_xm": "i32",
              "stride_wn": "i32", "stride_ym": "i32", "stride_we": "i32", "stride_ys": "i32", "tile_e_ptr": "*i32",
              "tile_r0_ptr": "*i32", "tile_r1_ptr": "*i32", "n_tiles": "i32", "kpl": "i32"}
 
@@ -62,12 +63,32 @@ _LEAF_SIG = {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*fp32", "M": "i32", "
 def test_leaf_gemm_in_register_tree_keeps_every_addition_for_sm90(leaf_k, loop):
     from isoexec.kernels.gemm.triton import _leaf_gemm_kernel
 
-    consts = {"LEAF_K": leaf_k, "LPP": 8, "LOOP": loop, "GROUPED": False, "BM": 128, "BN": 64, "BK": 64, "GM": 8,
+    consts = {"LEAF_K": leaf_k, "LPP": 8, "LOOP": loop, "GROUPED": False, "TOP": False, "BM": 128, "BN": 64, "BK": 64, "GM": 8,
               "PREC": "ieee"}
     # unrolled: 8 leaf loops, 7 tree additions; flat: one K loop whose leaf ends climb the tree's three
     # levels (one addition each); paired: one K loop of two dots, then the same three levels' additions.
     # A folded addition would disappear into a dot's accumulator.
     assert _tile_addf(_leaf_gemm_kernel, _LEAF_SIG, consts) == {"unrolled": (8, 7), "flat": (1, 3), "paired": (2, 3)}[loop]
+
+
+@pytest.mark.parametrize("top", [False, True])
+def test_leaf_gemm_top_in_kernel_adds_the_second_subtree_once_for_sm90(top):
+    """Four leaves per program, paired, two subtrees per tile: with ``TOP`` the tile's second program adds the first's
+    fp32 partial after its own climb (the pair loop's two climb additions, levels 0 and 1, + 1; the partial released
+    and acquired through atomics); without it (negative control) the climb's only, no atomics: the top is
+    tree_combine's."""
+    from isoexec.kernels.gemm.triton import _leaf_gemm_kernel
+
+    consts = {"LEAF_K": 512, "LPP": 4, "LOOP": "paired", "GROUPED": False, "TOP": top, "BM": 128, "BN": 64, "BK": 64,
+              "GM": 8, "PREC": "ieee"}
+    from triton.backends.compiler import GPUTarget
+
+    assert _tile_addf(_leaf_gemm_kernel, _LEAF_SIG, consts) == (2, 3 if top else 2)
+    sig = {**_LEAF_SIG, **{c: "constexpr" for c in consts}}
+    ttgir = triton.compile(triton.compiler.ASTSource(fn=_leaf_gemm_kernel, signature=sig, constexprs=consts),
+                           target=GPUTarget("cuda", 90, 32), options={"num_warps": 8}).asm["ttgir"]
+    atomics = (len(re.findall(r"tt\.atomic_rmw exch, release", ttgir)), len(re.findall(r"tt\.atomic_cas acquire", ttgir)))
+    assert atomics == ((1, 1) if top else (0, 0)), atomics
 
 
 def _dot_waits(loop: str) -> list[int]:
@@ -77,7 +98,7 @@ def _dot_waits(loop: str) -> list[int]:
     from isoexec.bench.sm90_compile import LEAF_SIGNATURE, compile_sm90
     from isoexec.kernels.gemm.triton import _leaf_gemm_kernel
 
-    consts = {"LEAF_K": 512, "LPP": 8, "LOOP": loop, "GROUPED": False, "BM": 64, "BN": 64, "BK": 64, "GM": 8,
+    consts = {"LEAF_K": 512, "LPP": 8, "LOOP": loop, "GROUPED": False, "TOP": False, "BM": 64, "BN": 64, "BK": 64, "GM": 8,
               "PREC": "ieee"}
     return [int(p) for p in compile_sm90(_leaf_gemm_kernel, LEAF_SIGNATURE, consts, 4, 4)["dot_waits"].split(";")]
 

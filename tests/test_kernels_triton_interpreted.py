@@ -426,24 +426,41 @@ for name, dt in (("fp32", torch.float32), ("fp16", torch.float16)):
         buckets = TritonSection(pik_bfloat16_by_leaf_k=[
             {"max_leaf_k": 32, "loop": "paired", "tiles": [128, 64, 64, 4, 2], "program_leaves": 2},
             {"max_leaf_k": 128, "loop": "flat", "tiles": [128, 64, 64, 8, 2], "program_leaves": 4}])
+        # the two subtrees of each tile added in the leaf kernel (top "in_kernel"), by a rows bucket (37 rows <= 64,
+        # split None) and by a bucket of the in-register tree (split False)
+        topcfg = TritonSection(pik_bfloat16_by_leaf_k=[
+            {"max_rows": 64, "max_leaf_k": 128, "loop": "flat", "tiles": [128, 64, 64, 4, 2], "program_leaves": 4,
+             "top": "in_kernel"},
+            {"max_leaf_k": 128, "loop": "paired", "tiles": [128, 64, 64, 8, 2], "program_leaves": 4, "top": "in_kernel"}])
         seen, launch = [], tg._launch_leaves  # which program each launch ran
-        tg._launch_leaves = lambda *a: seen.append((a[5], a[6], a[8], tuple(a[9]))) or launch(*a)
+        tg._launch_leaves = lambda *a, **k: seen.append((a[5], a[6], a[8], tuple(a[9]), k.get("top", False))) or launch(*a, **k)
         out["buckets"] = linear_leaves(x, w, buckets, 8, torch.float32, split=False)
+        out["top_rows"] = linear_leaves(x, w, topcfg, 8, torch.float32)
+        out["top_tree"] = linear_leaves(x, w, topcfg, 8, torch.float32, split=False)
+        out["top_partial"] = linear_leaves_partial(x, w, topcfg, 8)
         tg._launch_leaves = launch
         b = [bk for bk in buckets.pik_bfloat16_by_leaf_k if K // 8 <= bk.max_leaf_k][0]
-        want = ((K // 8, b.program_leaves, b.loop, tuple(b.tiles)) if dt == torch.float16
-                else (K // 8, 8, "flat", tuple(buckets.pik_gemm_float32)))
+        tb = topcfg.pik_bfloat16_by_leaf_k
+        fp32_tiles = tuple(buckets.pik_gemm_float32)
+        want = ([(K // 8, b.program_leaves, b.loop, tuple(b.tiles), False)]
+                + [(K // 8, 4, t.loop, tuple(t.tiles), True) for t in (tb[0], tb[1], tb[0])] if dt == torch.float16
+                else [(K // 8, 8, "flat", fp32_tiles, False), (K // 8, 1, "flat", fp32_tiles, False),
+                      (K // 8, 8, "flat", fp32_tiles, False), (K // 8, 1, "flat", fp32_tiles, False)])
+        if K // 8 > 128 and dt == torch.float16:  # no bucket holds the leaf width: the split launch, the pinned tree
+            want = want[:1] + [(K // 8, 1, "flat", (128, 64, 64, 8, 3), False), (K // 8, 8, "flat", (128, 64, 64, 8, 3), False),
+                               (K // 8, 1, "flat", (128, 64, 64, 8, 3), False)]
         ref = linear_leaves(x, w, TritonSection(), 8, torch.float32, split=True)  # one leaf per program + tree_combine
         tp = [linear_leaves_partial(x[:, r * K // 4:(r + 1) * K // 4], w[:, r * K // 4:(r + 1) * K // 4],
                                     TritonSection(pik_loop="paired", pik_split_rows=0), 2) for r in range(4)]
         tp4 = tree_combine(torch.stack(tp), torch.float32)
         counts = torch.tensor([10, 0, 27])
         ws = torch.stack([w, w.flip(0), w * 0.5])
-        g = grouped_linear_leaves(x, ws, counts, TritonSection(pik_loop="paired"), 8, split=False)
         g_want = torch.cat([linear_leaves(x[:10], ws[0], TritonSection(), 8, split=True),
                             linear_leaves(x[10:], ws[2], TritonSection(), 8, split=True)])
-        res[f"{name}_K{K}"] = {"loops_eq_split": all(torch.equal(v, ref) for v in out.values()), "dispatch": seen == [want],
-                               "tp4_eq": torch.equal(tp4, ref), "grouped_eq": torch.equal(g, g_want),
+        g_eq = all(torch.equal(grouped_linear_leaves(x, ws, counts, c, 8, split=False), g_want)
+                   for c in (TritonSection(pik_loop="paired"), topcfg))
+        res[f"{name}_K{K}"] = {"loops_eq_split": all(torch.equal(v, ref) for v in out.values()), "dispatch": seen == want,
+                               "tp4_eq": torch.equal(tp4, ref), "grouped_eq": g_eq,
                                "native_differs": not torch.equal(F.linear(x.float(), w.float()), ref)}
 print(json.dumps(res))
 """
@@ -451,8 +468,9 @@ print(json.dumps(res))
 
 def test_leaf_gemm_loop_shapes_give_the_same_bits_in_the_interpreter():
     """The leaf GEMM's loop shapes (``pik_loop`` flat and paired) at 8, 4 and 2 leaves per program, leaf-width buckets
-    (``pik_bfloat16_by_leaf_k``, each launch's loop, tiles and leaves per program recorded), a TP=4 rank's
-    subtree (paired) through the combine, and the grouped launch give the one-leaf-per-program launch's fp32 rows,
+    (``pik_bfloat16_by_leaf_k``, each launch's loop, tiles, leaves per program and top recorded), buckets by rows and
+    the two subtrees added in the leaf kernel (``top: in_kernel``; direct, a rank's fp32 partial and grouped), a TP=4
+    rank's subtree (paired) through the combine, and the grouped launch give the one-leaf-per-program launch's fp32 rows,
     fp32 and fp16 inputs, leaves of one partial K step and of several; the native ``F.linear`` differs (negative
     control). The compiled kernels: ``tests/test_kernels_triton.py`` on a GPU."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}

@@ -2,7 +2,8 @@
 mixed, chunkwise everywhere, recurrent everywhere and CPR for trainer 1x10240 (forward, and forward +
 backward), prefill 5x2048 and decode 256 x 1 (``cpr_layer.csv``, ``python -m isoexec.bench.gpu cpr``); each
 strategy's forward + backward time and gradient error against the fp64 reference (``cpr_backward.csv``,
-``cpr`` / ``cpr_backward``); CPR's kernel time by kernel (``cpr_breakdown.csv``, ``profile``); and issue 37's
+``cpr`` / ``cpr_backward``); CPR and fla at the Qwen3.5-35B-A3B GDN layer, event- and CUDA-graph-timed
+(``cpr_qwen35.csv``, ``cpr_qwen35``); CPR's kernel time by kernel (``cpr_breakdown.csv``, ``profile``); and issue 37's
 chunkwise in-chunk candidate against today's CPR and fla (``cpr_chunkwise.csv``, ``cpr_chunkwise``).
 :func:`gdn_inputs` makes the random GDN inputs these and the CPR variants of
 :mod:`isoexec.bench.variants_gpu` run on."""
@@ -199,6 +200,54 @@ def cpr_backward_table(cfg, log=print, H=32) -> list[dict]:
         log(json.dumps(row))
     for r in rows:
         r["fwd_bwd_ratio"] = r["fwd_bwd_ms"] / rows[0]["fwd_bwd_ms"]
+    return rows
+
+
+def cpr_qwen35_table(cfg, log=print, T=8192, hv=32, d=128) -> list[dict]:
+    """CPR against fla's chunk kernels at the Qwen3.5-35B-A3B GDN layer (32 value heads, q/k expanded from 16, dims
+    ``d``), one sequence of ``T`` tokens: forward and forward + backward (the backward of ``<o, do>``), each timed two
+    ways side by side: ``triton.testing.do_bench`` (CUDA events around each call, L2 flushed) and the replay of one
+    CUDA graph of the call (:func:`isoexec.bench.timing_gpu.bench_graph`), the timing of QwenLM/FlashQLA's published
+    table, so that its figures compare. A strategy that cannot be captured (CPR's host-side metadata) gets NaN there
+    and its error. fla: bf16 q, k, v, beta, its chunk backward with the Hopper refusal lifted
+    (:func:`_fla_gated_chunk_backward_unguarded`, timing only); CPR: fp32 inputs, the Triton chunkwise backward.
+
+    Returns one row per (pass, strategy): ``ms_events``, ``ms_graph``, the ratios to fla's, and ``error``."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    from isoexec.bench.timing_gpu import bench_graph
+    from isoexec.kernels.gdn import triton as t_gdn
+
+    C, tc = cfg.kernels.chunk_size, cfg.kernels.triton
+    q, k, v, g, b = gdn_inputs(T, hv, d, d)
+    cu = torch.tensor([0, T], device="cuda")
+    bf = [x.to(torch.bfloat16)[None] for x in (q, k, v)]
+    fwd = {"fla_chunk": lambda: chunk_gated_delta_rule(*bf, g=g[None], beta=b.to(torch.bfloat16)[None], cu_seqlens=cu),
+           "cpr": lambda: t_gdn.cpr_gdn(q, k, v, g, b, [T], [None], C, tc)}
+    both = _trainer_fwd_bwd(cfg, q, k, v, g, b, [T], torch.randn_like(v))
+
+    def fla_fwd_bwd():
+        with _fla_gated_chunk_backward_unguarded():
+            return both["chunkwise_everywhere"]()
+
+    passes = {"forward": fwd, "forward+backward": {"fla_chunk": fla_fwd_bwd, "cpr": both["cpr"]}}
+    rows = []
+    for name, fns in passes.items():
+        got = {}
+        for strat, fn in fns.items():
+            row = {"pass": name, "strategy": strat, "shape": f"1x{T} h{hv} d{d}", "ms_events": float("nan"),
+                   "ms_graph": float("nan"), "error": ""}
+            try:
+                row["ms_events"] = bench(fn, warmup=5, rep=30)
+                row["ms_graph"] = bench_graph([fn], rounds=4)
+            except Exception as e:  # not capturable (or no backward on this stack): recorded, the rest still runs
+                row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            got[strat] = row
+            rows.append(row)
+        for row in got.values():
+            row["events_ratio_to_fla"] = row["ms_events"] / got["fla_chunk"]["ms_events"]
+            row["graph_ratio_to_fla"] = row["ms_graph"] / got["fla_chunk"]["ms_graph"]
+            log(json.dumps(row))
     return rows
 
 

@@ -17,13 +17,18 @@
   backward, prefill 5x2048, decode 256 x 1) for native mixed, chunkwise everywhere, recurrent everywhere
   and CPR; ``cpr_backward.csv``: each strategy's forward + backward time and gradient error against the
   fp64 reference.
+* ``cpr_qwen35.csv``: CPR and fla's chunk kernels at the Qwen3.5-35B-A3B GDN layer (1 x 8192), forward and
+  forward + backward, timed by events and by CUDA-graph replay (``cpr_qwen35``).
 * ``model_throughput.csv``: the unified model, isoexec vs native kernel sets, and the transformers
-  model with fla kernels.
+  model with fla kernels; ``model_before_after.csv``: the whole model per case (trainer_score, trainer
+  forward + backward, engine prefill and decode, decode under CUDA graphs), native vs isoexec with the leaf
+  GEMM's launch rules of issue 37's filing and of the config (``model_before_after``).
 * ``provenance.json``: code version, device, software, ceilings, the commands.
 
 The tables live beside this entry, one module per measurement: :mod:`isoexec.bench.kernels_gpu`
 (``kernel_bench.csv``, ``conv_pieces.csv``), :mod:`isoexec.bench.cpr_gpu` (``cpr_layer.csv``,
-``cpr_backward.csv``, ``cpr_breakdown.csv``, ``cpr_chunkwise.csv``), :mod:`isoexec.bench.model_gpu` (``model_throughput.csv``),
+``cpr_backward.csv``, ``cpr_breakdown.csv``, ``cpr_chunkwise.csv``, ``cpr_qwen35.csv``), :mod:`isoexec.bench.model_gpu`
+(``model_throughput.csv``, ``model_before_after.csv``),
 :mod:`isoexec.bench.variants_gpu` (``variants_<parts>.csv``); their timing and the ceilings in
 :mod:`isoexec.bench.timing_gpu`.
 """
@@ -39,9 +44,9 @@ from pathlib import Path
 
 import torch
 
-from isoexec.bench.cpr_gpu import cpr_backward_table, cpr_breakdown, cpr_chunkwise_table, cpr_table
+from isoexec.bench.cpr_gpu import cpr_backward_table, cpr_breakdown, cpr_chunkwise_table, cpr_qwen35_table, cpr_table
 from isoexec.bench.kernels_gpu import conv_pieces_table, kernel_table
-from isoexec.bench.model_gpu import model_table
+from isoexec.bench.model_gpu import model_before_after, model_table
 from isoexec.bench.timing_gpu import ceilings
 from isoexec.bench.variants_gpu import variants
 
@@ -117,7 +122,8 @@ def gpu_bench_command(config: str = "experiments/h200.yaml", out_dir: str | None
     if what in ("gates", "all"):
         prov["gates"] = gpu_gates(cfg, out, log)
     tables = {"kernels": ("kernel_bench",), "cpr": ("cpr_layer", "cpr_backward"), "cpr_backward": ("cpr_backward",),
-              "cpr_chunkwise": ("cpr_chunkwise",),
+              "cpr_chunkwise": ("cpr_chunkwise",), "cpr_qwen35": ("cpr_qwen35",),
+              "model_before_after": ("model_before_after",),
               "conv": ("conv_pieces",),
               "model": ("model_throughput",),
               "bench": ("kernel_bench", "cpr_layer", "model_throughput"), "all": ("kernel_bench", "cpr_layer", "model_throughput")}
@@ -129,6 +135,8 @@ def gpu_bench_command(config: str = "experiments/h200.yaml", out_dir: str | None
         for name, fn in (("kernel_bench", lambda: kernel_table(cfg, ceil, log, extra)), ("cpr_layer", lambda: cpr_table(cfg, log)),
                          ("cpr_backward", lambda: cpr_backward_table(cfg, log)),
                          ("cpr_chunkwise", lambda: cpr_chunkwise_table(cfg, log)),
+                         ("cpr_qwen35", lambda: cpr_qwen35_table(cfg, log)),
+                         ("model_before_after", lambda: model_before_after(cfg, log)),
                          ("model_throughput", lambda: model_table(cfg, log)),
                          ("conv_pieces", lambda: conv_pieces_table(cfg, log))):
             if name not in tables[what]:
@@ -150,7 +158,8 @@ if __name__ == "__main__":
     import argparse
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("what", choices=["variants", "gates", "profile", "kernels", "cpr", "cpr_backward", "cpr_chunkwise", "model",
+    p.add_argument("what", choices=["variants", "gates", "profile", "kernels", "cpr", "cpr_backward", "cpr_chunkwise",
+                                    "cpr_qwen35", "model", "model_before_after",
                                     "conv", "bench",
                                     "all"])
     p.add_argument("--config", default="experiments/h200.yaml")

@@ -4,6 +4,7 @@ fla kernels where it runs: ``model_throughput.csv`` (``python -m isoexec.bench.g
 
 from __future__ import annotations
 
+import json
 import statistics
 import time
 import traceback
@@ -110,4 +111,138 @@ def model_table(cfg, log=print, batch=8, seq_len=1024, decode_seqs=64, decode_st
                      "engine_prefill": f"{batch}x{seq_len} prompts (hf: same forward as trainer_score)",
                      "engine_decode": f"{decode_seqs} seqs x {decode_steps} steps after {prompt}-token prompts"}[case]
         rows.append(r)
+    return rows
+
+
+def before_rules(kernels):
+    """``kernels`` (an ``isoexec.config.KernelSection``) with the leaf GEMM's launch rules of issue 37's filing (da43962):
+    one pinned program for every leaf width and row count (``pik_loop: flat``, no ``pik_bfloat16_by_leaf_k``); every other
+    constant as given. Same bits: the rules move none (``results/h200/leaf_gemm/``)."""
+    tc = kernels.triton.model_copy(update={"pik_loop": "flat", "pik_bfloat16_by_leaf_k": ()})
+    return kernels.model_copy(update={"triton": tc})
+
+
+def model_before_after(cfg, log=print, batch=8, seq_len=1024, decode_seqs=64, decode_steps=16, prompt=128,
+                       reps=3) -> list[dict]:
+    """The whole model (``cfg.model``, random weights of :func:`isoexec.bench.rl_step.build_model`, seed 0) per case,
+    the native kernel set (cuBLAS, SDPA, fla: the same model code, not vLLM) and the isoexec set with the leaf GEMM's
+    launch rules of issue 37's filing (``before``, :func:`before_rules`) and of ``cfg`` (``after``).
+
+    Cases (seconds per call, median of ``reps``): ``trainer_score`` (``batch`` x ``seq_len`` packed, full-vocabulary
+    logprobs, no grad), ``trainer_fwd_bwd`` (the same with grad, then the backward of the sampled tokens' summed
+    logprob: a trainer step's kernels without the optimizer, which is the same in every arm), ``engine_prefill``
+    (``batch`` prompts of ``seq_len``), ``engine_decode`` (``decode_seqs`` sequences x ``decode_steps`` steps after
+    ``prompt``-token prompts, eager) and ``engine_decode_graphs`` (the same under the isoexec set's CUDA graphs, as the
+    vLLM plugin decodes; the native set has no slot kernels, so no graphs). ``before`` and ``after`` run on one model
+    (its kernel set swapped), alternating rep by rep; native on a model of the same weights before them. Each row also
+    says whether before and after gave the same bits (sha256 of the case's fp32 output)."""
+    import hashlib
+
+    from isoexec.bench.rl_step import build_model
+    from isoexec.kernels import build_kernel_set
+
+    vocab = cfg.model.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(0, vocab, (seq_len,), generator=gen) for _ in range(batch)]
+    prompts = [torch.randint(0, vocab, (prompt,), generator=gen) for _ in range(decode_seqs)]
+    ids = torch.cat(seqs)
+    cu = torch.tensor([0] + [seq_len] * batch).cumsum(0)
+    nxt = torch.cat([ids[1:], ids[:1]]).cuda()[:, None]
+
+    def digest(t):
+        return hashlib.sha256(t.detach().float().contiguous().view(torch.int32).cpu().numpy().tobytes()).hexdigest()[:16]
+
+    def cases(model, graphs: bool) -> dict:
+        def score():
+            return model.trainer_logprobs(ids, cu)
+
+        def fwd_bwd():
+            model.zero_grad(set_to_none=True)
+            lp = model.trainer_logprobs(ids, cu, grad=True)
+            lp.gather(1, nxt).sum().backward()
+            return model.lm_head.weight.grad
+
+        def prefill():
+            return torch.cat(model.engine_step([model.new_cache() for _ in seqs], seqs, last_only=True))
+
+        def decode():
+            caches = [model.new_cache() for _ in prompts]
+            model.engine_step(caches, prompts, last_only=True)
+            tok = [p[-1:] for p in prompts]
+            for _ in range(decode_steps):
+                lp = torch.cat(model.engine_step(caches, tok, last_only=True))
+            return lp
+
+        c = {"trainer_score": score, "trainer_fwd_bwd": fwd_bwd, "engine_prefill": prefill, "engine_decode": decode}
+        if graphs:
+            c["engine_decode_graphs"] = decode
+        return c
+
+    def timed(fn) -> tuple[float, str]:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = fn()
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0, digest(out)
+
+    res: dict[str, dict[str, list]] = {}
+    model = build_model(cfg, "native")
+    for case, fn in cases(model, False).items():
+        try:
+            timed(fn)  # warm-up: JIT, autotuning, allocations
+            res.setdefault(case, {})["native"] = [timed(fn) for _ in range(reps)]
+            log(f"model native {case}: {res[case]['native']}")
+        except Exception as e:  # e.g. out of memory: the other cases still run
+            log(f"model native {case}: {type(e).__name__}: {str(e)[:300]}")
+        model.zero_grad(set_to_none=True)
+        torch.cuda.empty_cache()
+    del model
+    torch.cuda.empty_cache()
+    model = build_model(cfg, "isoexec")
+    sets = {"after": model.kernels, "before": build_kernel_set("isoexec", cfg.device, before_rules(cfg.kernels))}
+
+    graphs = {}
+
+    def use(arm: str, case: str):  # the arm's kernel set, and its own decode graphs (captured with that set)
+        model.kernels = sets[arm]
+        model.decode_graphs = graphs.get(arm) if case == "engine_decode_graphs" else None
+        if case == "engine_decode_graphs" and arm not in graphs:
+            graphs[arm] = model.enable_decode_graphs(max_seqs=decode_seqs, max_len=prompt + decode_steps + 8)
+
+    for case in cases(model, True):
+        try:
+            for arm in ("after", "before"):
+                use(arm, case)
+                timed(cases(model, True)[case])  # warm-up (captures the graphs)
+                res.setdefault(case, {})[arm] = []
+            for _ in range(reps):
+                for arm in ("after", "before"):
+                    use(arm, case)
+                    res[case][arm].append(timed(cases(model, True)[case]))
+            log(f"model isoexec {case}: after {res[case]['after']} before {res[case]['before']}")
+        except Exception as e:  # e.g. out of memory: the other cases still run
+            log(f"model isoexec {case}: {type(e).__name__}: {str(e)[:300]}")
+            res.setdefault(case, {}).pop("after", None)
+            res[case].pop("before", None)
+        torch.cuda.empty_cache()
+    model.decode_graphs = None
+    for arm, dg in graphs.items():  # replays vs eager steps: the graph rows ran under the graphs
+        log(f"decode graphs {arm}: {dg.stats}")
+    rows = []
+    ntok = {"trainer_score": batch * seq_len, "trainer_fwd_bwd": batch * seq_len, "engine_prefill": batch * seq_len,
+            "engine_decode": decode_seqs * decode_steps, "engine_decode_graphs": decode_seqs * decode_steps}
+    nan = float("nan")
+    for case, arms in res.items():
+        med = {a: statistics.median(t for t, _ in v) for a, v in arms.items() if v}
+        bits = {a: {d for _, d in v} for a, v in arms.items() if v}
+        r = {"case": case, "tokens": ntok[case], **{f"{a}_s": med.get(a, nan) for a in ("native", "before", "after")}}
+        r.update({"after_over_before": r["after_s"] / r["before_s"], "before_over_native": r["before_s"] / r["native_s"],
+                  "after_over_native": r["after_s"] / r["native_s"],
+                  "before_after_same_bits": bits["before"] == bits["after"] if "before" in bits and "after" in bits else None,
+                  "isoexec_native_same_bits": bits["after"] == bits["native"] if "after" in bits and "native" in bits else None})
+        if case == "engine_decode_graphs":
+            r["graph_replays_eager_steps"] = "; ".join(f"{a} {dg.stats['replays']}/{dg.stats['eager_steps']}"
+                                                      for a, dg in graphs.items())
+        rows.append(r)
+        log(json.dumps(r))
     return rows

@@ -31,8 +31,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-LEAF_SIGNATURE = {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "M": "i32", "N": "i32", "stride_xm": "i32",
-                  "stride_wn": "i32", "stride_ym": "i32", "stride_we": "i32", "stride_ys": "i32",
+LEAF_SIGNATURE = {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "part_ptr": "*fp32", "flag_ptr": "*i32", "M": "i32",
+                  "N": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_ym": "i32", "stride_we": "i32", "stride_ys": "i32",
                   "tile_e_ptr": "*i32", "tile_r0_ptr": "*i32", "tile_r1_ptr": "*i32", "n_tiles": "i32", "kpl": "i32"}
 TILES = ((64, 64, 64, 4, 4), (64, 64, 64, 4, 3), (64, 64, 64, 4, 2), (128, 64, 64, 8, 3), (128, 64, 64, 8, 2),
          (128, 128, 64, 8, 3))
@@ -112,11 +112,17 @@ def leaf_rows(leaf_k: int = 512) -> list[dict]:
     for loop, counts in (("unrolled", (1,)), ("flat", (8, 4, 2)), ("paired", (8, 4, 2))):
         for bm, bn, bk, nw, ns in TILES:
             for lpp in counts:
-                consts = {"LEAF_K": leaf_k, "LPP": lpp, "LOOP": loop, "GROUPED": False, "BM": bm, "BN": bn, "BK": bk,
+                consts = {"LEAF_K": leaf_k, "LPP": lpp, "LOOP": loop, "GROUPED": False, "TOP": False, "BM": bm, "BN": bn, "BK": bk,
                           "GM": 8, "PREC": "ieee"}
                 rows.append({"loop": loop, "tiles": f"{bm}x{bn}x{bk}", "num_warps": nw, "num_stages": ns,
-                             "leaves_per_program": lpp, "leaf_k": leaf_k,
+                             "leaves_per_program": lpp, "leaf_k": leaf_k, "top": "combine",
                              **compile_sm90(_leaf_gemm_kernel, LEAF_SIGNATURE, consts, nw, ns)})
+    for bm, bn, bk, nw, ns in TILES:  # two subtrees of four leaves per tile, the top added in the kernel
+        consts = {"LEAF_K": leaf_k, "LPP": 4, "LOOP": "paired", "GROUPED": False, "TOP": True, "BM": bm, "BN": bn,
+                  "BK": bk, "GM": 8, "PREC": "ieee"}
+        rows.append({"loop": "paired", "tiles": f"{bm}x{bn}x{bk}", "num_warps": nw, "num_stages": ns,
+                     "leaves_per_program": 4, "leaf_k": leaf_k, "top": "in_kernel",
+                     **compile_sm90(_leaf_gemm_kernel, LEAF_SIGNATURE, consts, nw, ns)})
     return rows
 
 

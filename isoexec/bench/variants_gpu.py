@@ -45,9 +45,11 @@ def variants(cfg, log=print, extra_models=(), parts=("gemm", "leaf", "attention"
         col_shapes += [(f"{tag} gdn.in_proj", 10240, h, 2 * kd + 2 * vd), (f"{tag} attn.q+gate", 10240, h, 2 * mm.num_attention_heads * mm.head_dim),
                        (f"{tag} shared(up)", 10240, h, mm.shared_expert_intermediate_size),
                        (f"{tag} gdn.in_proj decode", 256, h, 2 * kd + 2 * vd), (f"{tag} gdn.in_proj decode", 1, h, 2 * kd + 2 * vd)]
-        leaf_shapes += [(f"{tag} gdn.out_proj", 10240, vd, h), (f"{tag} attn.out_proj", 10240, mm.num_attention_heads * mm.head_dim, h),
-                        (f"{tag} shared(down)", 10240, mm.shared_expert_intermediate_size, h),
-                        (f"{tag} gdn.out_proj decode", 256, vd, h), (f"{tag} gdn.out_proj decode", 1, vd, h)]
+        ad, sd = mm.num_attention_heads * mm.head_dim, mm.shared_expert_intermediate_size
+        leaf_shapes += [(f"{tag} gdn.out_proj", 10240, vd, h), (f"{tag} attn.out_proj", 10240, ad, h),
+                        (f"{tag} shared(down)", 10240, sd, h),
+                        (f"{tag} gdn.out_proj decode", 256, vd, h), (f"{tag} gdn.out_proj decode", 1, vd, h),
+                        (f"{tag} attn.out_proj decode", 256, ad, h), (f"{tag} shared(down) decode", 256, sd, h)]
 
     def data(M, K, N):
         n = 8 if M <= 256 else 1
@@ -114,6 +116,7 @@ def _variants_gemm(col_shapes, data, timed, tc0, rec):
 def _variants_leaf(leaf_shapes, data, timed, tc0, G, rec):
     import torch.nn.functional as F
 
+    from isoexec.config import LeafKBucket
     from isoexec.kernels.gemm import triton as t_gemm
 
     dev, bf = "cuda", torch.bfloat16
@@ -126,18 +129,22 @@ def _variants_leaf(leaf_shapes, data, timed, tc0, G, rec):
     pinned_at = {sh: t_gemm.linear_leaves(*ldata[sh][0], plain, G, split=False) for sh in leaf_shapes}  # each leaf width
     # the flat loop at the tiles measured best before (results/h200/leaf_gemm/README.md), then the paired loop at the
     # tiles that compile for sm90 without spills (results/h200/leaf_gemm/sm90_compile/compile.csv)
+    # (top "in_kernel": two subtrees of four leaves per tile, the second program adding the first's fp32 partial)
     cands = [("flat", (64, 64, 64, 4, 4), 8), ("flat", (128, 64, 64, 8, 3), 8), ("flat", (128, 128, 64, 8, 3), 2),
              ("paired", (64, 64, 64, 4, 4), 8), ("paired", (64, 64, 64, 4, 3), 8), ("paired", (64, 64, 64, 4, 2), 8),
              ("paired", (128, 64, 64, 8, 3), 8), ("paired", (128, 64, 64, 8, 2), 8), ("paired", (128, 128, 64, 8, 3), 4),
              ("paired", (128, 128, 64, 8, 3), 2)]
+    cands = [(*c, "combine") for c in cands] + [("paired", t, 4, "in_kernel") for t in (
+        (128, 128, 64, 8, 3), (128, 128, 64, 8, 2), (128, 64, 64, 8, 3), (64, 64, 64, 4, 3), (64, 64, 64, 4, 4))]
     # first the config's own launch constants (its pik_bfloat16_by_leaf_k buckets included), then each candidate alone
-    for loop, tiles, lpp in [(None, None, None), *cands]:
+    for loop, tiles, lpp, top in [(None, None, None, None), *cands]:
         if loop is None:
             cand, conf = tc0, "as configured"
-        else:
+        else:  # the candidate for every leaf width (a bucket holding all; split=True runs the pik_* constants)
+            every = LeafKBucket(max_leaf_k=1 << 20, loop=loop, tiles=tiles, program_leaves=lpp, top=top)
             cand = tc0.model_copy(update={"pik_gemm_bfloat16": tiles, "pik_program_leaves": lpp, "pik_loop": loop,
-                                          "pik_bfloat16_by_leaf_k": ()})
-            conf = f"{loop} " + ",".join(map(str, tiles)) + f" leaves/program<={lpp}"
+                                          "pik_bfloat16_by_leaf_k": (every,)})
+            conf = f"{loop} " + ",".join(map(str, tiles)) + f" leaves/program<={lpp}" + (" top=in_kernel" if top == "in_kernel" else "")
         try:
             full = t_gemm.linear_leaves(xl, wl, cand, G, split=False)
             same_as_pinned = bool(torch.equal(full, pinned))  # BK and the tree fix the bits; BM/BN, the launch should not
@@ -151,7 +158,7 @@ def _variants_leaf(leaf_shapes, data, timed, tc0, G, rec):
                 ok &= torch.equal(t_gemm.tree_combine(parts, bf), full)
             for sh in leaf_shapes:
                 same_at = bool(torch.equal(t_gemm.linear_leaves(*ldata[sh][0], cand, G, split=False), pinned_at[sh]))
-                for split in ((None,) if sh[1] > 256 else (True, False)):
+                for split in ((None,) if sh[1] > 256 else (None, True, False) if loop is None else (True, False)):
                     t = timed(lambda a, b: t_gemm.linear_leaves(a, b, cand, G, split=split), ldata[sh])
                     rec(what="leaf_gemm", config=f"{conf} split={split}", shape=f"{sh[0]} {sh[1]}x{sh[2]}@{sh[2]}x{sh[3]}", ms=t,
                         ref_ms=lcub[sh], frac_of_ref_throughput=lcub[sh] / t, bitwise_ok=bool(ok),

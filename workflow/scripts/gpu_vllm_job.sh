@@ -10,11 +10,15 @@
 #    stages, so that it only takes device time they left)                    -> $JOB_OUT/leaf_variants/, leaf_variants.log
 # 5. (chunkwise) issue 37's chunkwise in-chunk CPR candidate against today's CPR and fla, its decode rows checked
 #    bit for bit (python -m isoexec.bench.gpu cpr_chunkwise)          -> $JOB_OUT/cpr_chunkwise/, cpr_chunkwise.log
+# 6. (bench) the kernel tables of isoexec.bench.gpu named in BENCH (default "cpr_qwen35 model_before_after cpr", issue
+#    37: CPR vs fla at the Qwen3.5 GDN layer by CUDA-graph replay; the whole model before / after the leaf GEMM's rules;
+#    the CPR layer table; "gates": the bitwise gate matrix, at experiments/h200.yaml) at BENCH_CONFIG
+#    (experiments/h200-rlstep.yaml), each T_BENCH s at most    -> $JOB_OUT/bench/ (gates: $JOB_OUT/gates/), bench_<table>.log
 # and every 5 s nvidia-smi's utilisation (gpu_util.csv) and the host's memory in MiB (host_mem.csv: a node lost while
 # three scorers loaded, results/h200-vllm/571a25e-h100, logged only the GPU's). Settings: CONFIG (experiments/h200-rlstep.yaml), GEN (the
 # generation shapes), DEADLINE (vllm_gpu's --deadline-s), RLSTEP_CONFIG and RLSTEP_ARGS (stage 3's experiment, CONFIG unless
 # set, and further rl_step options, e.g. "--new-tokens 128": h200-rlstep's trainer does not fit an H100), T_TESTS / T_VLLM / T_RLSTEP / T_LEAF (time limits, s;
-# T_LEAF=0 skips stage 4; T_CHUNKWISE), STAGES (which stages, in the order given: "tests vllm rlstep leaf chunkwise";
+# T_LEAF=0 skips stage 4; T_CHUNKWISE; T_BENCH), STAGES (which stages, in the order given: "tests vllm rlstep leaf chunkwise";
 # with little device time left, e.g. "vllm rlstep tests leaf"). Exit status: the last failing stage's; every stage runs whatever the
 # others did.
 set -uo pipefail
@@ -23,8 +27,8 @@ CONFIG=${CONFIG:-experiments/h200-rlstep.yaml}
 NAME=$(basename "$CONFIG" .yaml)
 STAGES=${STAGES:-tests vllm rlstep leaf chunkwise}
 for stage in $STAGES; do
-  case $stage in tests|vllm|rlstep|leaf|chunkwise) ;;
-    *) echo "gpu_vllm_job: STAGES: unknown stage '$stage'; allowed: tests vllm rlstep leaf chunkwise"; exit 2 ;; esac
+  case $stage in tests|vllm|rlstep|leaf|chunkwise|bench) ;;
+    *) echo "gpu_vllm_job: STAGES: unknown stage '$stage'; allowed: tests vllm rlstep leaf chunkwise bench"; exit 2 ;; esac
 done
 s=0
 nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used --format=csv -l 5 > "$O/gpu_util.csv" 2>/dev/null &
@@ -59,6 +63,16 @@ chunkwise() {
   # column of the logged row: either fails the stage
   grep -q "'ok': False\|\"decode_rows_equal\": false" "$O/cpr_chunkwise.log" && s=1
   tail -n 4 "$O/cpr_chunkwise.log"
+}
+bench() {
+  for t in ${BENCH:-cpr_qwen35 model_before_after cpr}; do
+    c=${BENCH_CONFIG:-experiments/h200-rlstep.yaml}; d=$O/bench
+    [ "$t" = gates ] && { c=experiments/h200.yaml; d=$O/gates; }
+    timeout "${T_BENCH:-300}" python3 -m isoexec.bench.gpu "$t" --config "$c" \
+      --out-dir "$d" > "$O/bench_$t.log" 2>&1 || s=$?
+    grep -q "'ok': False" "$O/bench_$t.log" && s=1
+    tail -n 2 "$O/bench_$t.log" | cut -c1-300
+  done
 }
 for stage in $STAGES; do echo "gpu_vllm_job: $stage ($(date -u +%T))"; $stage; done
 kill %1 %2 2>/dev/null

@@ -26,9 +26,10 @@ pairs adjacent nodes, ``((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7))``, and rounded once.
 reduces an aligned subtree of leaves in registers (a binary counter: the node finished at leaf j is
 kept at level ``l`` while bit ``l`` of j is 0, and added to its left sibling when it is 1) and leaves
 the levels above its subtree to :func:`tree_combine` (one leaf per program for few rows,
-``kernels.triton.pik_split_rows``; at most ``kernels.triton.pik_program_leaves`` otherwise, or the leaf-width
-bucket's of ``kernels.triton.pik_bfloat16_by_leaf_k``, with its loop and tiles); every launch
-adds the same fp32 numbers in the same order, so none changes bits. A TP rank holding K/tp
+``kernels.triton.pik_split_rows``; at most ``kernels.triton.pik_program_leaves`` otherwise, or the bucket's of
+``kernels.triton.pik_bfloat16_by_leaf_k`` by leaf width and rows, with its loop and tiles), and a launch of two
+subtrees per tile may add them in the leaf kernel itself (the bucket's ``top``); every launch adds the same fp32
+numbers in the same order, so none changes bits. A TP rank holding K/tp
 features reduces its subtree of G/tp leaves with the same code, hence every TP dividing G gives the
 same bits.
 """
@@ -163,14 +164,26 @@ def _tree_climb(j, acc, s0, s1, s2, LPP: tl.constexpr):
 # accumulator (``dot(a, b, 0) + s -> dot(a, b, s)``), which changes the bits of the in-register tree against
 # the one-leaf-per-program launch (seen on the H200 for leaves of one 64-wide K step). A grouped padding tile
 # (r0 == r1) sets kpl to 0, so no loop shape runs a step; a live tile keeps kpl, still a run-time value.
+# ``TOP`` (the two subtrees of a launch of 2 * LPP leaves added in this kernel): programs 2t and 2t + 1 of a 1-D grid
+# are output tile t's subtrees 0 and 1, adjacent so that they run side by side and the fp32 partial stays in L2.
+# Program 2t stores its subtree sum to ``part_ptr`` (tile t's BM x BN block), and after a CTA barrier releases tile
+# t's flag; program 2t + 1 acquires it (spinning: a lower program id is dispatched no later, so the writer is
+# resident or done), loads the partial past L1 and adds ``left + right``, tree_combine's addition, then rounds once.
+# The serial split-K fix-up of CUTLASS (``Semaphore``) and Triton's stream-K example wait the same way.
 @triton.jit(do_not_specialize=["M", "n_tiles", "kpl"])
-def _leaf_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, stride_xm, stride_wn, stride_ym, stride_we, stride_ys,
-                      tile_e_ptr, tile_r0_ptr, tile_r1_ptr, n_tiles, kpl,
+def _leaf_gemm_kernel(x_ptr, w_ptr, y_ptr, part_ptr, flag_ptr, M, N, stride_xm, stride_wn, stride_ym, stride_we,
+                      stride_ys, tile_e_ptr, tile_r0_ptr, tile_r1_ptr, n_tiles, kpl,
                       LEAF_K: tl.constexpr, LPP: tl.constexpr, LOOP: tl.constexpr, GROUPED: tl.constexpr,
-                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GM: tl.constexpr, PREC: tl.constexpr):
+                      TOP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GM: tl.constexpr,
+                      PREC: tl.constexpr):
     # program (tile, s): output tile ``tile`` summed over the subtree s of LPP leaves (K offset s*LPP*LEAF_K)
-    sub = tl.program_id(1)
-    r0, r1, pid_n, w_ptr = _program_tile(tl.program_id(0), M, N, w_ptr, stride_we, tile_e_ptr, tile_r0_ptr,
+    if TOP:
+        tile = tl.program_id(0) // 2
+        sub = tl.program_id(0) % 2
+    else:
+        tile = tl.program_id(0)
+        sub = tl.program_id(1)
+    r0, r1, pid_n, w_ptr = _program_tile(tile, M, N, w_ptr, stride_we, tile_e_ptr, tile_r0_ptr,
                                          tile_r1_ptr, GROUPED, BM, BN, GM)
     rows = r0 + tl.arange(0, BM)
     cols = pid_n * BN + tl.arange(0, BN)
@@ -227,8 +240,21 @@ def _leaf_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, stride_xm, stride_wn, stride_ym
                 b = tl.load(w_ptr + cols64[None, :] * stride_wn + ks[:, None], mask=kmask[:, None] & cmask[None, :], other=0.0)
                 acc = tl.dot(a, b, acc, input_precision=PREC)
             s0, s1, s2 = _tree_climb(j, acc, s0, s1, s2, LPP)
-    tl.store(y_ptr + sub.to(tl.int64) * stride_ys + rows64[:, None] * stride_ym + cols64[None, :],
-             s0.to(y_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
+    if TOP:
+        blk = part_ptr + tile.to(tl.int64) * (BM * BN) + tl.arange(0, BM)[:, None] * BN + tl.arange(0, BN)[None, :]
+        if sub == 0:
+            tl.store(blk, s0)
+            tl.debug_barrier()  # every thread's part of the block is stored before the flag is released
+            tl.atomic_xchg(flag_ptr + tile, 1, sem="release")
+        else:
+            while tl.atomic_cas(flag_ptr + tile, 1, 1, sem="acquire") != 1:
+                pass
+            s0 = tl.load(blk, cache_modifier=".cg") + s0
+            tl.store(y_ptr + rows64[:, None] * stride_ym + cols64[None, :], s0.to(y_ptr.dtype.element_ty),
+                     mask=rmask[:, None] & cmask[None, :])
+    else:
+        tl.store(y_ptr + sub.to(tl.int64) * stride_ys + rows64[:, None] * stride_ym + cols64[None, :],
+                 s0.to(y_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
 
 
 @triton.jit
@@ -304,21 +330,38 @@ def leaf_constants(cfg, dtype: torch.dtype, leaves: int) -> dict:
          "dot_precision": DOT_PRECISION, "leaves": leaves, "leaf_tree": "adjacent_pairs", "leaf_acc": "float32",
          "k_order": "ascending_within_leaf", "autotune": False}
     if dtype in (torch.bfloat16, torch.float16) and cfg.pik_bfloat16_by_leaf_k:  # tiles, as the fields above
-        c["leaf_k_buckets"] = ";".join(f"leaf_k<={b.max_leaf_k}:{'x'.join(map(str, b.tiles[:3]))}:{b.tiles[3]}w:{b.tiles[4]}s"
-                                       for b in cfg.pik_bfloat16_by_leaf_k)
+        c["leaf_k_buckets"] = ";".join(_bucket_str(b) for b in cfg.pik_bfloat16_by_leaf_k)
     return c
 
 
-def leaf_program_for(cfg, dtype: torch.dtype, leaf_k: int, split: bool) -> tuple[str, tuple[int, int, int, int, int], int]:
-    """(loop, tiles, most leaves per program) of a leaf GEMM launch with leaves of ``leaf_k`` features: bf16/fp16
-    launches of the in-register tree (``split`` False) the first ``pik_bfloat16_by_leaf_k`` bucket with
-    ``leaf_k <= max_leaf_k``, else ``pik_loop``, the ``pik_gemm_*`` tiles and ``pik_program_leaves`` (one leaf per
-    program, ``split``, always the latter: the buckets were timed for programs of several leaves)."""
-    if not split and dtype in (torch.bfloat16, torch.float16):
-        for b in cfg.pik_bfloat16_by_leaf_k:
-            if leaf_k <= b.max_leaf_k:
-                return b.loop, tuple(b.tiles), b.program_leaves
-    return cfg.pik_loop, tiles_for(cfg, dtype, leaf=True), cfg.pik_program_leaves
+def _bucket_str(b) -> str:
+    """A leaf bucket in the contract, as the fields of :func:`leaf_constants`: its rows and leaf width and its tiles (the
+    loop, leaves per program and top are left out, as ``pik_loop`` and ``pik_program_leaves``); ``rows<=`` only where
+    set, so that the digest of a config without it stays."""
+    rows = f"rows<={b.max_rows}:" if b.max_rows is not None else ""
+    return f"{rows}leaf_k<={b.max_leaf_k}:{'x'.join(map(str, b.tiles[:3]))}:{b.tiles[3]}w:{b.tiles[4]}s"
+
+
+def leaf_program_for(cfg, dtype: torch.dtype, leaf_k: int, rows: int,
+                     split: bool | None = None) -> tuple[str, tuple[int, int, int, int, int], int, str]:
+    """(loop, tiles, most leaves per program, top) of a leaf GEMM launch of ``rows`` rows with leaves of ``leaf_k``
+    features. bf16/fp16, ``split`` None: the first ``pik_bfloat16_by_leaf_k`` bucket with ``max_rows`` that holds
+    ``rows`` and ``leaf_k``, else for ``rows > pik_split_rows`` the first bucket without ``max_rows`` that holds
+    ``leaf_k``. ``split`` False (the in-register tree forced): only the latter. No bucket (fp32, ``split`` True, or none
+    holds the launch): ``pik_loop``, the ``pik_gemm_*`` tiles, one leaf per program for ``split`` or
+    ``rows <= pik_split_rows`` else ``pik_program_leaves``, and ``"combine"``."""
+    if split is not True and dtype in (torch.bfloat16, torch.float16):
+        buckets = cfg.pik_bfloat16_by_leaf_k
+        hit = [b for b in buckets if b.max_rows is not None and rows <= b.max_rows and leaf_k <= b.max_leaf_k]
+        if split is None and hit:
+            b = hit[0]
+        else:
+            tree = split is False or rows > cfg.pik_split_rows
+            b = next((b for b in buckets if b.max_rows is None and leaf_k <= b.max_leaf_k), None) if tree else None
+        if b is not None:
+            return b.loop, tuple(b.tiles), b.program_leaves, b.top
+    one = split is True or (split is None and rows <= cfg.pik_split_rows)
+    return cfg.pik_loop, tiles_for(cfg, dtype, leaf=True), 1 if one else cfg.pik_program_leaves, "combine"
 
 
 def _contig_k(t: torch.Tensor) -> torch.Tensor:
@@ -506,44 +549,48 @@ def tree_combine(parts: torch.Tensor, out_dtype: torch.dtype, out: torch.Tensor 
     return y
 
 
-def _launch_leaves(x, w, y, counts, cfg, leaf_k: int, lpp: int, n_sub: int, loop: str, tiles):
+def _launch_leaves(x, w, y, counts, cfg, leaf_k: int, lpp: int, n_sub: int, loop: str, tiles, top: bool = False):
     """One leaf-GEMM launch: programs (tile, subtree) over ``n_sub`` subtrees of ``lpp`` leaves, with ``loop`` and
-    ``tiles`` of :func:`leaf_program_for`; y is ``[n_sub, R, N]`` (or ``[R, N]`` when n_sub == 1). ``counts``: None
-    (w ``[N, K]``), or the ``[E]`` integer rows per expert on x's device (w ``[E, N, K]``), whose grid has the static
-    T of :func:`_group_tiles`."""
+    ``tiles`` of :func:`leaf_program_for`; y is ``[n_sub, R, N]`` (or ``[R, N]`` when n_sub == 1 or ``top``: the two
+    subtrees added in the kernel, n_sub == 2). ``counts``: None (w ``[N, K]``), or the ``[E]`` integer rows per expert
+    on x's device (w ``[E, N, K]``), whose grid has the static T of :func:`_group_tiles`."""
     BM, BN, BK, nw, ns = tiles
     R = x.shape[0]
     N = w.shape[-2]
-    stride_ys = R * N
     kpl = triton.cdiv(leaf_k, BK)
     loop = loop if lpp > 1 else "unrolled"
     if counts is None:
-        grid = (triton.cdiv(R, BM) * triton.cdiv(N, BN), n_sub)
-        _leaf_gemm_kernel[grid](x, w, y, R, N, x.stride(0), w.stride(0), N, 0, stride_ys, x, x, x, 0, kpl,
-                                LEAF_K=leaf_k, LPP=lpp, LOOP=loop, GROUPED=False, BM=BM, BN=BN, BK=BK, GM=cfg.gemm_group_m,
-                                PREC=DOT_PRECISION, num_warps=nw, num_stages=ns)
-        return
-    meta = _group_tiles(_check_counts(counts, x, w), BM, R)
-    n_t = meta.shape[1]
-    grid = (n_t * triton.cdiv(N, BN), n_sub)
-    _leaf_gemm_kernel[grid](x, w, y, R, N, x.stride(0), w.stride(1), N, w.stride(0), stride_ys, meta[0], meta[1], meta[2],
-                            n_t, kpl, LEAF_K=leaf_k, LPP=lpp, LOOP=loop, GROUPED=True, BM=BM, BN=BN, BK=BK,
-                            GM=cfg.gemm_group_m, PREC=DOT_PRECISION, num_warps=nw, num_stages=ns)
+        n_t, meta, stride_w, stride_we = 0, (x, x, x), w.stride(0), 0
+        n_tiles = triton.cdiv(R, BM) * triton.cdiv(N, BN)
+    else:
+        meta = _group_tiles(_check_counts(counts, x, w), BM, R)
+        n_t, stride_w, stride_we = meta.shape[1], w.stride(1), w.stride(0)
+        n_tiles = n_t * triton.cdiv(N, BN)
+    if top:  # tile t's two subtrees are programs 2t, 2t + 1; the first's fp32 sum goes through part, flag t says when
+        part = torch.empty((n_tiles, BM, BN), device=x.device, dtype=torch.float32)
+        flag = torch.zeros((n_tiles,), device=x.device, dtype=torch.int32)
+        grid = (2 * n_tiles,)
+    else:
+        part, flag, grid = x, x, (n_tiles, n_sub)
+    _leaf_gemm_kernel[grid](x, w, y, part, flag, R, N, x.stride(0), stride_w, N, stride_we, R * N, meta[0], meta[1],
+                            meta[2], n_t, kpl, LEAF_K=leaf_k, LPP=lpp, LOOP=loop, GROUPED=counts is not None, TOP=top,
+                            BM=BM, BN=BN, BK=BK, GM=cfg.gemm_group_m, PREC=DOT_PRECISION, num_warps=nw, num_stages=ns)
 
 
-def _launch_all(x, w, counts, cfg, leaf_k: int, leaves: int, split: bool, alloc, out_dtype, out=None):
-    """The leaf sums of ``leaves`` leaves: one leaf per program (``split``), else at most :func:`leaf_program_for`'s
-    leaves per program; subtree sums of fewer than ``leaves`` through an fp32 buffer, the upper levels by
-    :func:`tree_combine` (into ``out`` if given)."""
-    loop, tiles, cap = leaf_program_for(cfg, x.dtype, leaf_k, split or leaves == 1)
-    lpp = 1 if split else min(leaves, cap)
+def _launch_all(x, w, counts, cfg, leaf_k: int, leaves: int, split: bool | None, alloc, out_dtype, out=None):
+    """The leaf sums of ``leaves`` leaves with :func:`leaf_program_for`'s program (``split``: True one leaf per program,
+    False the in-register tree, None by the rows); subtree sums of fewer than ``leaves`` through an fp32 buffer, the
+    upper levels by :func:`tree_combine` (into ``out`` if given), or, for two subtrees with ``top`` ``"in_kernel"``,
+    in the leaf kernel."""
     R, N = x.shape[0], w.shape[-2]
-    if lpp < leaves:
+    loop, tiles, cap, top = leaf_program_for(cfg, x.dtype, leaf_k, R, True if leaves == 1 else split)
+    lpp = min(leaves, cap)
+    if lpp < leaves and not (top == "in_kernel" and leaves == 2 * lpp):
         parts = alloc((leaves // lpp, R, N), device=x.device, dtype=torch.float32)
         _launch_leaves(x, w, parts, counts, cfg, leaf_k, lpp, leaves // lpp, loop, tiles)
         return tree_combine(parts, out_dtype, out=out)
     y = out if out is not None else alloc((R, N), device=x.device, dtype=out_dtype)
-    _launch_leaves(x, w, y, counts, cfg, leaf_k, leaves, 1, loop, tiles)
+    _launch_leaves(x, w, y, counts, cfg, leaf_k, lpp, leaves // lpp, loop, tiles, top=lpp < leaves)
     return y
 
 
@@ -556,8 +603,6 @@ def _leaves(x, w, counts, cfg, leaves, out_dtype, split: bool | None):
     N = w.shape[-2]
     leaf_k = _check_leaves(K, leaves)
     od = out_dtype or x.dtype
-    if split is None:
-        split = R <= cfg.pik_split_rows
     if R == 0:
         return torch.empty((R, N), device=x.device, dtype=od)
     alloc = torch.zeros if counts is not None else torch.empty  # grouped tiles may leave rows of empty experts
@@ -576,8 +621,8 @@ def linear_leaves(x: torch.Tensor, w: torch.Tensor, cfg, leaves: int, out_dtype:
         cfg: ``isoexec.config.TritonSection`` (``pik_gemm_*`` tiles, ``pik_split_rows``).
         leaves: G, a power of two in 1..8 dividing K (contract constant ``kernels.leaves``).
         out_dtype: output dtype (default ``x.dtype``); the fp32 tree sum is rounded once.
-        split: force the one-leaf-per-program launch (True) or the in-register tree (False); None picks
-            by ``M <= cfg.pik_split_rows``. The bits are the same either way.
+        split: force the one-leaf-per-program launch (True) or the in-register tree (False); None lets the rows
+            pick (:func:`leaf_program_for`). The bits are the same either way.
 
     Returns:
         ``[M, N]`` in ``out_dtype``.
@@ -628,8 +673,7 @@ def linear_leaves_partial(x_shard: torch.Tensor, w_shard: torch.Tensor, cfg, lea
     alloc = torch.zeros if counts is not None else torch.empty
     y = out if out is not None else alloc((x.shape[0], w.shape[-2]), device=x.device, dtype=torch.float32)
     if x.shape[0]:
-        _launch_all(x, w, counts, cfg, leaf_k, leaves_local, x.shape[0] <= cfg.pik_split_rows and leaves_local > 1,
-                    alloc, torch.float32, out=y)
+        _launch_all(x, w, counts, cfg, leaf_k, leaves_local, None, alloc, torch.float32, out=y)
     return y
 
 
