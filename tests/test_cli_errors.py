@@ -247,3 +247,19 @@ def test_gpu_benchmarks_refuse_a_config_this_machine_cannot_run_in_one_line(tmp_
     assert r.returncode == 2, r.stderr
     assert r.stderr.startswith("error: ") and r.stderr.count("\n") == 1 and needle in r.stderr, r.stderr
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("config, mode, needle", [
+    ("experiments/ci-tiny.yaml", "isoexec", "experiment 'ci-tiny' has no skyrl section"),
+    ("experiments/qwen35-35b-a3b-8xh100.yaml", "both", "mode must be 'native' or 'isoexec', got 'both'"),
+])
+def test_skyrl_config_refuses_in_one_line_before_skyrl_imports(tmp_path, config, mode, needle):
+    """``isoexec rl skyrl-config`` checks the experiment and the mode before SkyRL's imports, whose own line ("Triton
+    is installed, but doesn't include CPU backend") used to come first: stderr is the one ``error:`` line, exit 2."""
+    out = tmp_path / "o.yaml"
+    r = subprocess.run([sys.executable, "-c", "import sys; from isoexec.cli import app; sys.argv[0] = 'isoexec'; app()",
+                        "rl", "skyrl-config", "--config", config, "--mode", mode, "--out", str(out)],
+                       capture_output=True, text=True, cwd=ROOT, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.startswith("error: ") and r.stderr.count("\n") == 1 and needle in r.stderr, r.stderr
+    assert not out.exists()

@@ -189,12 +189,14 @@ def skyrl_config(config: Path = typer.Option(..., help="experiment YAML with a s
     import yaml
 
     from isoexec.config import load_config
-    from isoexec.rl.skyrl import compat
+    from isoexec.rl.skyrl import check_recipe_inputs, compat
 
+    exp = load_config(config)
+    check_recipe_inputs(exp, mode)  # before SkyRL's imports, which print a line of their own
     compat.install()
     from isoexec.rl.skyrl.render import build, recipe_overrides
 
-    overrides = recipe_overrides(load_config(config), mode)
+    overrides = recipe_overrides(exp, mode)
     build(overrides)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(yaml.safe_dump(overrides, sort_keys=True))

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from isoexec.config import ExperimentConfig
-from isoexec.rl.skyrl import compat
+from isoexec.rl.skyrl import check_recipe_inputs, compat
 
 compat.install()  # before the first skyrl import (compat item 1)
 
@@ -274,10 +274,7 @@ def recipe_overrides(exp: ExperimentConfig, mode: str) -> dict[str, Any]:
     from isoexec.engines.vllm_plugin import ARCH, DEFAULT_FACTORY, REQUIRED_LOGPROBS_MODE
     from isoexec.rl.skyrl.servers import SERVER_EXTENSION
 
-    if exp.skyrl is None:
-        raise ValueError(f"experiment {exp.name!r} has no skyrl section (model_path, train_data, cluster)")
-    if mode not in ("native", "isoexec"):
-        raise ValueError(f"mode must be 'native' or 'isoexec', got {mode!r}")
+    check_recipe_inputs(exp, mode)
     s, e = exp.skyrl, exp.engine
     if mode == "native":
         arm: dict[str, Any] = {
