@@ -129,3 +129,20 @@ def test_a_paired_run_whose_engine_holds_other_weights_is_refused_before_any_ste
                                               r"\['model.norm.weight'\]"):
         run_rl(cfg, "native", 0, ckpt, out, engine=engine, policy=HFPolicy.from_pretrained(ckpt), command="test")
     assert not (out / "metrics.jsonl").exists()
+
+
+def test_rl_step_summary_gives_policy_training_time_in_every_row(cfg):
+    """``isoexec.bench.rl_step.summarize``: every step row and each arm's median carry ``time/policy_training`` (score +
+    train, the blog's training time), and the ratio row divides the two medians (it was filled in the ratio row only)."""
+    from isoexec.bench.rl_step import summarize
+
+    def step(ks, i, score, train):
+        return {"kernel_set": ks, "engine": "local", "step": i, "time/generation": 1.0, "time/score": score,
+                "time/train": train, "time/step": 2.0}
+
+    rows = [step("isoexec", 0, 1.0, 2.0), step("isoexec", 1, 1.0, 4.0), step("native", 0, 0.5, 1.0),
+            step("native", 1, 0.5, 2.0), step("native", 2, 0.5, 3.0)]
+    table = summarize(rows, ("isoexec", "native"), "local", False, cfg, cfg.rl, 16)
+    got = {(r["kernel_set"], r["step"]): r["time/policy_training"] for r in table}
+    assert got == {("isoexec", 0): 3.0, ("isoexec", 1): 5.0, ("native", 0): 1.5, ("native", 1): 2.5, ("native", 2): 3.5,
+                   ("isoexec", "median"): 4.0, ("native", "median"): 2.5, ("isoexec/native", "ratio"): 1.6}
