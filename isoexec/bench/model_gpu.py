@@ -12,17 +12,22 @@ import traceback
 import torch
 
 
+def _inputs(vocab: int, batch: int, seq_len: int, decode_seqs: int, prompt: int) -> tuple:
+    """The tables' random tokens (seed 0, CPU int64): ``batch`` sequences of ``seq_len``, ``decode_seqs`` prompts of
+    ``prompt``, the sequences packed (``[batch * seq_len]``) and their ``cu_seqlens``."""
+    gen = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(0, vocab, (seq_len,), generator=gen) for _ in range(batch)]
+    prompts = [torch.randint(0, vocab, (prompt,), generator=gen) for _ in range(decode_seqs)]
+    return seqs, prompts, torch.cat(seqs), torch.tensor([0] + [seq_len] * batch).cumsum(0)
+
+
 def model_table(cfg, log=print, batch=8, seq_len=1024, decode_seqs=64, decode_steps=16, prompt=128) -> list[dict]:
     """Unified model tokens/s with isoexec vs native kernel sets, and transformers + fla where it runs."""
     from isoexec.model.build import random_model
     from isoexec.model.hf import hf_config
 
     vocab = cfg.model.vocab_size
-    gen = torch.Generator().manual_seed(0)
-    seqs = [torch.randint(0, vocab, (seq_len,), generator=gen) for _ in range(batch)]
-    prompts = [torch.randint(0, vocab, (prompt,), generator=gen) for _ in range(decode_seqs)]
-    ids = torch.cat(seqs)
-    cu = torch.tensor([0] + [seq_len] * batch).cumsum(0)
+    seqs, prompts, ids, cu = _inputs(vocab, batch, seq_len, decode_seqs, prompt)
 
     def timed(fn, reps=3):
         fn()
@@ -142,11 +147,7 @@ def model_before_after(cfg, log=print, batch=8, seq_len=1024, decode_seqs=64, de
     from isoexec.kernels import build_kernel_set
 
     vocab = cfg.model.vocab_size
-    gen = torch.Generator().manual_seed(0)
-    seqs = [torch.randint(0, vocab, (seq_len,), generator=gen) for _ in range(batch)]
-    prompts = [torch.randint(0, vocab, (prompt,), generator=gen) for _ in range(decode_seqs)]
-    ids = torch.cat(seqs)
-    cu = torch.tensor([0] + [seq_len] * batch).cumsum(0)
+    seqs, prompts, ids, cu = _inputs(vocab, batch, seq_len, decode_seqs, prompt)
     nxt = torch.cat([ids[1:], ids[:1]]).cuda()[:, None]
 
     def digest(t):

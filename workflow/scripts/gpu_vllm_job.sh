@@ -13,7 +13,9 @@
 # 6. (bench) the kernel tables of isoexec.bench.gpu named in BENCH (default "cpr_qwen35 model_before_after cpr", issue
 #    37: CPR vs fla at the Qwen3.5 GDN layer by CUDA-graph replay; the whole model before / after the leaf GEMM's rules;
 #    the CPR layer table; "gates": the bitwise gate matrix, at experiments/h200.yaml) at BENCH_CONFIG
-#    (experiments/h200-rlstep.yaml), each T_BENCH s at most    -> $JOB_OUT/bench/ (gates: $JOB_OUT/gates/), bench_<table>.log
+#    (experiments/h200-rlstep.yaml), each T_BENCH s at most (model_before_after did not finish its isoexec arms in 280 s
+#    on an H100: results/h200/leaf_gemm/top_rows_0e1710b_h100; run it alone with more)
+#                                                              -> $JOB_OUT/bench/ (gates: $JOB_OUT/gates/), bench_<table>.log
 # and every 5 s nvidia-smi's utilisation (gpu_util.csv) and the host's memory in MiB (host_mem.csv: a node lost while
 # three scorers loaded, results/h200-vllm/571a25e-h100, logged only the GPU's). Settings: CONFIG (experiments/h200-rlstep.yaml), GEN (the
 # generation shapes), DEADLINE (vllm_gpu's --deadline-s), RLSTEP_CONFIG and RLSTEP_ARGS (stage 3's experiment, CONFIG unless
