@@ -68,16 +68,19 @@ class LeafKBucket(_Section):
 
     max_leaf_k: PositiveInt
     max_rows: PositiveInt | None = Field(
-        None, description="None: launches of more than pik_split_rows rows (the in-register tree); a number: launches "
-        "of at most that many rows, whatever pik_split_rows says (decode)")
+        None, description="None: launches of more than pik_split_rows rows (the in-register tree); a number: dense "
+        "launches of at most that many rows, whatever pik_split_rows says (decode; grouped expert launches keep "
+        "pik_split_rows' choice)")
     loop: Literal["flat", "paired"]
     tiles: tuple[PositiveInt, PositiveInt, PositiveInt, PositiveInt, PositiveInt] = Field(
         description="BM, BN, BK, num_warps, num_stages; BK must be pik_gemm_bfloat16's")
     program_leaves: PositiveInt = Field(description="a power of two; 1 is the split launch (one leaf per program)")
     top: Literal["combine", "in_kernel"] = Field(
-        "combine", description="a launch that leaves two subtree sums per output tile adds them in tree_combine (a "
-        "second kernel reading both fp32 planes) or in the leaf kernel itself (the tile's second program waits for "
-        "the first's fp32 partial and adds it); the same fp32 addition either way")
+        "combine", description="a launch that leaves two subtree sums per output tile (leaves = 2 x program_leaves; "
+        "other launches ignore it) adds them in tree_combine (a second kernel reading both fp32 planes) or in the leaf "
+        "kernel itself (the tile's second program spins until the first's fp32 partial is released, relying on "
+        "CUDA dispatching a grid's blocks in increasing order, as CUTLASS's serial split-K does); the same fp32 "
+        "addition either way")
 
 
 class TritonSection(_Section):

@@ -149,6 +149,8 @@ def test_leaf_buckets_pick_by_leaf_width_and_rows_and_are_checked():
     assert leaf_program_for(ok, bf, 1024, 8) == ("flat", (64, 64, 64, 4, 4), 1, "combine")
     assert leaf_program_for(ok, bf, 512, 256, split=False) == ("paired", (128, 128, 64, 8, 3), 4, "in_kernel")
     assert leaf_program_for(ok, torch.float32, 256, 256) == ("flat", tuple(ok.pik_gemm_float32), 1, "combine")
+    assert leaf_program_for(ok, bf, 256, 256, grouped=True) == ("flat", (64, 64, 64, 4, 4), 1, "combine")  # dense only
+    assert leaf_program_for(ok, bf, 512, 600, grouped=True) == ("paired", (128, 128, 64, 8, 3), 4, "in_kernel")
     assert "leaf_k_buckets" not in leaf_constants(plain, bf, 8)
     assert leaf_constants(ok, bf, 8)["leaf_k_buckets"] == (
         "rows<=256:leaf_k<=256:64x64x64:4w:3s;rows<=256:leaf_k<=512:128x128x64:8w:3s;"

@@ -142,6 +142,28 @@ def test_leaf_k_buckets_give_the_bits_of_the_pinned_program_and_another_tree_doe
     assert not torch.equal(F.linear(x, w), ref)
 
 
+def test_leaf_top_in_kernel_over_many_waves_gives_the_pinned_bits():
+    """``top: in_kernel`` at a trainer shape (10240 rows: 1,280 tiles of 128x128, two programs each, ten waves on an
+    H100/H200), three times, dense and grouped: each tile's second program waits for its first across waves (grid
+    dispatch in increasing order), and the rows equal the pinned program's; four leaves differ (negative control)."""
+    from isoexec.config import LeafKBucket
+    from isoexec.kernels.gemm.triton import grouped_linear_leaves, linear_leaves
+
+    pinned = CFG.model_copy(update={"pik_gemm_bfloat16": (64, 64, 64, 4, 4), "pik_loop": "flat", "pik_program_leaves": 8})
+    top = pinned.model_copy(update={"pik_bfloat16_by_leaf_k": (
+        LeafKBucket(max_leaf_k=512, loop="paired", tiles=(128, 128, 64, 8, 3), program_leaves=4, top="in_kernel"),)})
+    x = torch.randn(10240, 4096, device=DEV, dtype=torch.bfloat16)
+    w = torch.randn(2048, 4096, device=DEV, dtype=torch.bfloat16) * 0.02
+    ref = linear_leaves(x, w, pinned, 8)
+    for _ in range(3):
+        assert torch.equal(linear_leaves(x, w, top, 8), ref)
+    counts = torch.tensor([4000, 0, 6240], device=DEV)
+    ws = torch.stack([w, w.flip(0), w * 0.5])
+    g = grouped_linear_leaves(x, ws, counts, top, 8)
+    assert torch.equal(g, torch.cat([ref[:4000], linear_leaves(x[4000:], ws[2], pinned, 8)]))
+    assert not torch.equal(linear_leaves(x, w, top, 4), ref)
+
+
 def test_row_parallel_cublas_sum_of_shards_differs_negative_control():
     x = torch.randn(4096, 2048, device=DEV, dtype=torch.bfloat16)
     w = torch.randn(1024, 2048, device=DEV, dtype=torch.bfloat16) * 0.02

@@ -446,9 +446,6 @@ for name, dt in (("fp32", torch.float32), ("fp16", torch.float16)):
                 + [(K // 8, 4, t.loop, tuple(t.tiles), True) for t in (tb[0], tb[1], tb[0])] if dt == torch.float16
                 else [(K // 8, 8, "flat", fp32_tiles, False), (K // 8, 1, "flat", fp32_tiles, False),
                       (K // 8, 8, "flat", fp32_tiles, False), (K // 8, 1, "flat", fp32_tiles, False)])
-        if K // 8 > 128 and dt == torch.float16:  # no bucket holds the leaf width: the split launch, the pinned tree
-            want = want[:1] + [(K // 8, 1, "flat", (128, 64, 64, 8, 3), False), (K // 8, 8, "flat", (128, 64, 64, 8, 3), False),
-                               (K // 8, 1, "flat", (128, 64, 64, 8, 3), False)]
         ref = linear_leaves(x, w, TritonSection(), 8, torch.float32, split=True)  # one leaf per program + tree_combine
         tp = [linear_leaves_partial(x[:, r * K // 4:(r + 1) * K // 4], w[:, r * K // 4:(r + 1) * K // 4],
                                     TritonSection(pik_loop="paired", pik_split_rows=0), 2) for r in range(4)]

@@ -140,9 +140,10 @@ def test_rl_step_summary_gives_policy_training_time_in_every_row(cfg):
         return {"kernel_set": ks, "engine": "local", "step": i, "time/generation": 1.0, "time/score": score,
                 "time/train": train, "time/step": 2.0}
 
-    rows = [step("isoexec", 0, 1.0, 2.0), step("isoexec", 1, 1.0, 4.0), step("native", 0, 0.5, 1.0),
-            step("native", 1, 0.5, 2.0), step("native", 2, 0.5, 3.0)]
+    # isoexec's median of sums (6) is not its sum of medians (2 + 3 = 5): the ratio is 6 / 2, not 5 / 2
+    rows = [step("isoexec", 0, 1.0, 5.0), step("isoexec", 1, 2.0, 1.0), step("isoexec", 2, 3.0, 3.0),
+            step("native", 0, 1.0, 1.0), step("native", 1, 1.0, 1.0)]
     table = summarize(rows, ("isoexec", "native"), "local", False, cfg, cfg.rl, 16)
     got = {(r["kernel_set"], r["step"]): r["time/policy_training"] for r in table}
-    assert got == {("isoexec", 0): 3.0, ("isoexec", 1): 5.0, ("native", 0): 1.5, ("native", 1): 2.5, ("native", 2): 3.5,
-                   ("isoexec", "median"): 4.0, ("native", "median"): 2.5, ("isoexec/native", "ratio"): 1.6}
+    assert got == {("isoexec", 0): 6.0, ("isoexec", 1): 3.0, ("isoexec", 2): 6.0, ("native", 0): 2.0, ("native", 1): 2.0,
+                   ("isoexec", "median"): 6.0, ("native", "median"): 2.0, ("isoexec/native", "ratio"): 3.0}

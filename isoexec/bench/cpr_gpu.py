@@ -209,7 +209,8 @@ def cpr_qwen35_table(cfg, log=print, T=8192, hv=32, d=128) -> list[dict]:
     ways side by side: ``triton.testing.do_bench`` (CUDA events around each call, L2 flushed) and the replay of one
     CUDA graph of the call (:func:`isoexec.bench.timing_gpu.bench_graph`), the timing of QwenLM/FlashQLA's published
     table, so that its figures compare. A strategy that cannot be captured (CPR's host-side metadata) gets NaN there
-    and its error. fla: bf16 q, k, v, beta, its chunk backward with the Hopper refusal lifted
+    and its error. fla: bf16 q, k, v, beta made before the timed calls (forward, and forward + backward on bf16 leaf
+    tensors with a bf16 output gradient), its chunk backward with the Hopper refusal lifted
     (:func:`_fla_gated_chunk_backward_unguarded`, timing only); CPR: fp32 inputs, the Triton chunkwise backward.
 
     Returns one row per (pass, strategy): ``ms_events``, ``ms_graph``, the ratios to fla's, and ``error``."""
@@ -224,13 +225,17 @@ def cpr_qwen35_table(cfg, log=print, T=8192, hv=32, d=128) -> list[dict]:
     bf = [x.to(torch.bfloat16)[None] for x in (q, k, v)]
     fwd = {"fla_chunk": lambda: chunk_gated_delta_rule(*bf, g=g[None], beta=b.to(torch.bfloat16)[None], cu_seqlens=cu),
            "cpr": lambda: t_gdn.cpr_gdn(q, k, v, g, b, [T], [None], C, tc)}
-    both = _trainer_fwd_bwd(cfg, q, k, v, g, b, [T], torch.randn_like(v))
+    do = torch.randn_like(v)
+    cpr_fwd_bwd = _trainer_fwd_bwd(cfg, q, k, v, g, b, [T], do)["cpr"]
+    bf_in, do_bf = [*bf, g[None], b.to(torch.bfloat16)[None]], do.to(torch.bfloat16)[None]
 
-    def fla_fwd_bwd():
+    def fla_fwd_bwd():  # on bf16 leaves made before the call: the timed work is fla's kernels
+        ins = [x.detach().requires_grad_() for x in bf_in]
         with _fla_gated_chunk_backward_unguarded():
-            return both["chunkwise_everywhere"]()
+            o = chunk_gated_delta_rule(*ins[:3], g=ins[3], beta=ins[4], cu_seqlens=cu)[0]
+            return torch.autograd.grad(o, ins, do_bf)
 
-    passes = {"forward": fwd, "forward+backward": {"fla_chunk": fla_fwd_bwd, "cpr": both["cpr"]}}
+    passes = {"forward": fwd, "forward+backward": {"fla_chunk": fla_fwd_bwd, "cpr": cpr_fwd_bwd}}
     rows = []
     for name, fns in passes.items():
         got = {}

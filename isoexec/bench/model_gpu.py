@@ -127,7 +127,7 @@ def before_rules(kernels):
     return kernels.model_copy(update={"triton": tc})
 
 
-def model_before_after(cfg, log=print, batch=8, seq_len=1024, decode_seqs=64, decode_steps=16, prompt=128,
+def model_before_after(cfg, log=print, batch=8, seq_len=1024, decode_seqs=256, decode_steps=16, prompt=128,
                        reps=3) -> list[dict]:
     """The whole model (``cfg.model``, random weights of :func:`isoexec.bench.rl_step.build_model`, seed 0) per case,
     the native kernel set (cuBLAS, SDPA, fla: the same model code, not vLLM) and the isoexec set with the leaf GEMM's
@@ -137,12 +137,12 @@ def model_before_after(cfg, log=print, batch=8, seq_len=1024, decode_seqs=64, de
     logprobs, no grad), ``trainer_fwd_bwd`` (the same with grad, then the backward of the sampled tokens' summed
     logprob: a trainer step's kernels without the optimizer, which is the same in every arm), ``engine_prefill``
     (``batch`` prompts of ``seq_len``), ``engine_decode`` (``decode_seqs`` sequences x ``decode_steps`` steps after
-    ``prompt``-token prompts, eager) and ``engine_decode_graphs`` (the same under the isoexec set's CUDA graphs, as the
+    ``prompt``-token prompts, the prefill untimed, eager; 256 sequences: the rows at which the decode rules differ)
+    and ``engine_decode_graphs`` (the same under the isoexec set's CUDA graphs, as the
     vLLM plugin decodes; the native set has no slot kernels, so no graphs). ``before`` and ``after`` run on one model
     (its kernel set swapped), alternating rep by rep; native on a model of the same weights before them. Each row also
-    says whether before and after gave the same bits (sha256 of the case's fp32 output)."""
-    import hashlib
-
+    says whether before and after gave the same bits (two wrapping int64 sums of the case's fp32 output's bit
+    patterns, plain and weighted by position, computed on the device)."""
     from isoexec.bench.rl_step import build_model
     from isoexec.kernels import build_kernel_set
 
@@ -150,8 +150,14 @@ def model_before_after(cfg, log=print, batch=8, seq_len=1024, decode_seqs=64, de
     seqs, prompts, ids, cu = _inputs(vocab, batch, seq_len, decode_seqs, prompt)
     nxt = torch.cat([ids[1:], ids[:1]]).cuda()[:, None]
 
-    def digest(t):
-        return hashlib.sha256(t.detach().float().contiguous().view(torch.int32).cpu().numpy().tobytes()).hexdigest()[:16]
+    def digest(t) -> str:  # on the device, in pieces: the outputs are GBs (trainer_score 8192 x 248320 fp32)
+        bits = t.detach().float().contiguous().view(torch.int32).view(-1)
+        plain = weighted = 0
+        for a in range(0, bits.numel(), 1 << 26):
+            b = bits[a:a + (1 << 26)].to(torch.int64)
+            pos = torch.arange(a + 1, a + 1 + b.numel(), device=b.device, dtype=torch.int64)
+            plain, weighted = plain + int(b.sum()), weighted + int((b * pos).sum())
+        return f"{plain}:{weighted}"  # two sums of the bit patterns, plain and by position
 
     def cases(model, graphs: bool) -> dict:
         def score():
@@ -166,13 +172,16 @@ def model_before_after(cfg, log=print, batch=8, seq_len=1024, decode_seqs=64, de
         def prefill():
             return torch.cat(model.engine_step([model.new_cache() for _ in seqs], seqs, last_only=True))
 
-        def decode():
+        def decode():  # the prompts' prefill untimed, then the decode steps: (seconds, last step's rows)
             caches = [model.new_cache() for _ in prompts]
             model.engine_step(caches, prompts, last_only=True)
             tok = [p[-1:] for p in prompts]
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
             for _ in range(decode_steps):
                 lp = torch.cat(model.engine_step(caches, tok, last_only=True))
-            return lp
+            torch.cuda.synchronize()
+            return time.perf_counter() - t0, lp
 
         c = {"trainer_score": score, "trainer_fwd_bwd": fwd_bwd, "engine_prefill": prefill, "engine_decode": decode}
         if graphs:
@@ -184,7 +193,10 @@ def model_before_after(cfg, log=print, batch=8, seq_len=1024, decode_seqs=64, de
         t0 = time.perf_counter()
         out = fn()
         torch.cuda.synchronize()
-        return time.perf_counter() - t0, digest(out)
+        dt = time.perf_counter() - t0
+        if isinstance(out, tuple):  # a case that times itself (decode: the steps without the prefill)
+            dt, out = out
+        return dt, digest(out)
 
     res: dict[str, dict[str, list]] = {}
     model = build_model(cfg, "native")
@@ -208,7 +220,8 @@ def model_before_after(cfg, log=print, batch=8, seq_len=1024, decode_seqs=64, de
         model.kernels = sets[arm]
         model.decode_graphs = graphs.get(arm) if case == "engine_decode_graphs" else None
         if case == "engine_decode_graphs" and arm not in graphs:
-            graphs[arm] = model.enable_decode_graphs(max_seqs=decode_seqs, max_len=prompt + decode_steps + 8)
+            graphs[arm] = model.enable_decode_graphs(max_seqs=decode_seqs, max_len=prompt + decode_steps + 8,
+                                                     sizes=[decode_seqs])
 
     for case in cases(model, True):
         try:

@@ -342,17 +342,19 @@ def _bucket_str(b) -> str:
     return f"{rows}leaf_k<={b.max_leaf_k}:{'x'.join(map(str, b.tiles[:3]))}:{b.tiles[3]}w:{b.tiles[4]}s"
 
 
-def leaf_program_for(cfg, dtype: torch.dtype, leaf_k: int, rows: int,
-                     split: bool | None = None) -> tuple[str, tuple[int, int, int, int, int], int, str]:
+def leaf_program_for(cfg, dtype: torch.dtype, leaf_k: int, rows: int, split: bool | None = None,
+                     grouped: bool = False) -> tuple[str, tuple[int, int, int, int, int], int, str]:
     """(loop, tiles, most leaves per program, top) of a leaf GEMM launch of ``rows`` rows with leaves of ``leaf_k``
     features. bf16/fp16, ``split`` None: the first ``pik_bfloat16_by_leaf_k`` bucket with ``max_rows`` that holds
-    ``rows`` and ``leaf_k``, else for ``rows > pik_split_rows`` the first bucket without ``max_rows`` that holds
+    ``rows`` and ``leaf_k`` (dense launches only: ``grouped`` expert launches, whose rows are tokens x top-k over many
+    experts' tiles, were not timed with them), else for ``rows > pik_split_rows`` the first bucket without ``max_rows`` that holds
     ``leaf_k``. ``split`` False (the in-register tree forced): only the latter. No bucket (fp32, ``split`` True, or none
     holds the launch): ``pik_loop``, the ``pik_gemm_*`` tiles, one leaf per program for ``split`` or
     ``rows <= pik_split_rows`` else ``pik_program_leaves``, and ``"combine"``."""
     if split is not True and dtype in (torch.bfloat16, torch.float16):
         buckets = cfg.pik_bfloat16_by_leaf_k
-        hit = [b for b in buckets if b.max_rows is not None and rows <= b.max_rows and leaf_k <= b.max_leaf_k]
+        hit = [b for b in buckets if b.max_rows is not None and rows <= b.max_rows and leaf_k <= b.max_leaf_k
+               and not grouped]
         if split is None and hit:
             b = hit[0]
         else:
@@ -583,7 +585,7 @@ def _launch_all(x, w, counts, cfg, leaf_k: int, leaves: int, split: bool | None,
     upper levels by :func:`tree_combine` (into ``out`` if given), or, for two subtrees with ``top`` ``"in_kernel"``,
     in the leaf kernel."""
     R, N = x.shape[0], w.shape[-2]
-    loop, tiles, cap, top = leaf_program_for(cfg, x.dtype, leaf_k, R, True if leaves == 1 else split)
+    loop, tiles, cap, top = leaf_program_for(cfg, x.dtype, leaf_k, R, True if leaves == 1 else split, counts is not None)
     lpp = min(leaves, cap)
     if lpp < leaves and not (top == "in_kernel" and leaves == 2 * lpp):
         parts = alloc((leaves // lpp, R, N), device=x.device, dtype=torch.float32)
