@@ -74,38 +74,60 @@ def test_isoexec_steps_through_skyrl_are_bitwise(ckpt, tmp_path):
     assert prov["run"]["driver"] == "skyrl" and prov["skyrl_overrides"]["trainer.algorithm.eps_clip_high"] == 0.28
 
 
-def test_native_steps_through_skyrl_show_a_mismatch(ckpt, tmp_path):
-    rows = _run("native", ckpt, tmp_path)
+@pytest.fixture(scope="module")
+def session_runs(ckpt, tmp_path_factory):
+    """One :class:`Session` (fresh actors) runs native, isoexec (both sides switch mode), native-tis and native
+    again, then isoexec with a kernel setting changed on the engine's side only (which the handshake refuses).
+    The tests below read their claims off these runs: the first native run is ``run_skyrl``'s own (a fresh
+    Session's first run), and the refused run rebuilds its engines as fresh ones would be
+    (``EngineActor.restart``: a changed kernels section makes a new ``RolloutEngine``). One Session instead of
+    three saves two Ray stacks' start-up and one whole native run."""
+    from isoexec.rl.arms import find_arm
+    from isoexec.rl.skyrl.driver import Session
+
+    root = tmp_path_factory.mktemp("session")
+    rows, provs, refused = {}, {}, None
+    other = CFG.model_copy(update={"kernels": CFG.kernels.model_copy(update={"row_tile": 8})})
+    with Session(CFG, "native") as session:
+        for i, arm in enumerate(("native", "isoexec", "native-tis", "native")):
+            out = root / f"{i}-{arm}"
+            rows[i] = session.run(CFG, find_arm(CFG, arm), 0, ckpt, out, 1, command="test")
+            provs[i] = json.loads((out / "provenance.json").read_text())
+        refused_out = root / "4-isoexec-other-kernels"
+        try:
+            session.run(CFG, find_arm(CFG, "isoexec"), 0, ckpt, refused_out, 1, command="test", engine_config=other)
+        except Exception as e:  # noqa: BLE001 (asserted in the test below)
+            refused = e
+    return rows, provs, refused, refused_out
+
+
+def test_native_steps_through_skyrl_show_a_mismatch(session_runs):
+    rows = session_runs[0][0]  # native on fresh actors: what run_skyrl(CFG, "native") runs
     assert rows[0]["mismatch_count"] > 0 and rows[0]["full_vocab_kl"] is not None
 
 
-def test_kernel_setting_changed_on_the_engine_side_only_is_refused(ckpt, tmp_path):
-    other = CFG.model_copy(update={"kernels": CFG.kernels.model_copy(update={"row_tile": 8})})
+def test_kernel_setting_changed_on_the_engine_side_only_is_refused(session_runs):
+    refused, out = session_runs[2], session_runs[3]
     with pytest.raises(Exception, match="ContractMismatch|numerical_policy") as e:
-        _run("isoexec", ckpt, tmp_path, engine_config=other)
+        if refused is not None:
+            raise refused
     assert "row_tile" in str(e.value)
-    assert (tmp_path / "metrics.jsonl").read_text() == ""  # refused before the first step
+    assert (out / "metrics.jsonl").read_text() == ""  # refused before the first step
 
 
-def test_a_session_reuses_its_actors_with_the_same_bits_and_tis_acts(ckpt, tmp_path):
+def test_a_session_reuses_its_actors_with_the_same_bits_and_tis_acts(session_runs):
     """native on fresh actors, isoexec (both sides switch mode), native-tis and native again on the same
     processes: the last native run repeats the first to the bit; native-tis scores the same rollouts
     (its correction acts only inside the update) and SkyRL's TIS reports from the workers' loss; every run
     records the load-time weight handshake of its engines and trainer."""
-    from isoexec.rl.arms import find_arm
-    from isoexec.rl.skyrl.driver import Session
-
     timing = lambda r: {k: v for k, v in r.items() if not k.startswith("time/")}  # noqa: E731
-    rows = {}
-    with Session(CFG, "native") as session:
-        for i, arm in enumerate(("native", "isoexec", "native-tis", "native")):
-            out = tmp_path / f"{i}-{arm}"
-            rows[i] = session.run(CFG, find_arm(CFG, arm), 0, ckpt, out, 1, command="test")
-            prov = json.loads((out / "provenance.json").read_text())
-            assert prov["run"]["session_run"] == i
-            # every run's load-time weight handshake: a kept engine's load of the checkpoint vs the rebuilt trainer
-            loaded = prov["weights_at_load"]
-            assert loaded["engine"] == [loaded["trainer"]] * CFG.engine.num_engines
+    rows, provs = session_runs[0], session_runs[1]
+    for i in range(4):
+        prov = provs[i]
+        assert prov["run"]["session_run"] == i
+        # every run's load-time weight handshake: a kept engine's load of the checkpoint vs the rebuilt trainer
+        loaded = prov["weights_at_load"]
+        assert loaded["engine"] == [loaded["trainer"]] * CFG.engine.num_engines
     assert [timing(r) for r in rows[3]] == [timing(r) for r in rows[0]]
     assert rows[1][0]["mismatch_count"] == 0 and rows[0][0]["mismatch_count"] > 0
     tis, native = rows[2][0], rows[0][0]

@@ -230,7 +230,7 @@ def test_rl_step_with_vllm_engines_isoexec_bitwise_across_weight_syncs_native_no
     for s in ("0", "1"):
         iso, nat = steps[("isoexec", s)], steps[("native", s)]
         assert iso["engine"] == "vllm-isoexec" and nat["engine"] == "vllm-native"
-        assert iso["mismatch_count"] == "0" and int(iso["tokens_generated"]) == 4 * 4 * 8, iso
+        assert iso["mismatch_count"] == "0" and int(iso["tokens_generated"]) == 2 * 4 * 8, iso  # ci-tiny: 2 prompts x 4 samples x 8 tokens
         assert int(nat["mismatch_count"]) > 0, nat
         assert float(iso["time/weight_sync"]) > 0
     assert steps[("isoexec/native", "ratio")]["time/generation"]

@@ -8,7 +8,6 @@ from pathlib import Path
 import shutil
 
 from isoexec.allocator import with_tcmalloc
-from isoexec.cli import error_line
 from isoexec.config import check_device, load_config
 from isoexec.rl.arms import arm_names
 from isoexec.settings import RECORD, settings_conflict, write_record
@@ -18,6 +17,10 @@ DEFAULT_CONFIGFILE = "experiments/cpu-tiny.yaml"
 
 def refuse(problem):
     """Stop before any job with one line, `error: ...` (the isoexec CLI's style), and exit status 2."""
+    # imported here, on the error path only: isoexec.cli loads every command's module (torch among them),
+    # about 3 s of every snakemake start (each dry run, each test's invocation) for one formatting function
+    from isoexec.cli import error_line
+
     print(error_line(problem), file=sys.stderr)
     sys.exit(2)
 
