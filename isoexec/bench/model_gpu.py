@@ -21,6 +21,20 @@ def _inputs(vocab: int, batch: int, seq_len: int, decode_seqs: int, prompt: int)
     return seqs, prompts, torch.cat(seqs), torch.tensor([0] + [seq_len] * batch).cumsum(0)
 
 
+def _decode_steps(model, prompts: list, steps: int) -> tuple[float, torch.Tensor]:
+    """The prompts' prefill (untimed), then ``steps`` decode steps of their last token: (seconds of the steps, the last
+    step's ``[len(prompts), V]`` fp32 rows)."""
+    caches = [model.new_cache() for _ in prompts]
+    model.engine_step(caches, prompts, last_only=True)
+    tok = [p[-1:] for p in prompts]
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        lp = torch.cat(model.engine_step(caches, tok, last_only=True))
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0, lp
+
+
 def model_table(cfg, log=print, batch=8, seq_len=1024, decode_seqs=64, decode_steps=16, prompt=128) -> list[dict]:
     """Unified model tokens/s with isoexec vs native kernel sets, and transformers + fla where it runs."""
     from isoexec.model.build import random_model
@@ -46,15 +60,7 @@ def model_table(cfg, log=print, batch=8, seq_len=1024, decode_seqs=64, decode_st
         model = random_model(cfg.model, cfg.kernels, ks, vocab_size=vocab, device="cuda")
 
         def decode():
-            caches = [model.new_cache() for _ in prompts]
-            model.engine_step(caches, prompts, last_only=True)
-            tok = [p[-1:] for p in prompts]
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(decode_steps):
-                model.engine_step(caches, tok, last_only=True)
-            torch.cuda.synchronize()
-            return time.perf_counter() - t0
+            return _decode_steps(model, prompts, decode_steps)[0]
 
         res[ks] = {
             "trainer_score": timed(lambda: model.trainer_logprobs(ids, cu)),
@@ -172,16 +178,8 @@ def model_before_after(cfg, log=print, batch=8, seq_len=1024, decode_seqs=256, d
         def prefill():
             return torch.cat(model.engine_step([model.new_cache() for _ in seqs], seqs, last_only=True))
 
-        def decode():  # the prompts' prefill untimed, then the decode steps: (seconds, last step's rows)
-            caches = [model.new_cache() for _ in prompts]
-            model.engine_step(caches, prompts, last_only=True)
-            tok = [p[-1:] for p in prompts]
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(decode_steps):
-                lp = torch.cat(model.engine_step(caches, tok, last_only=True))
-            torch.cuda.synchronize()
-            return time.perf_counter() - t0, lp
+        def decode():
+            return _decode_steps(model, prompts, decode_steps)
 
         c = {"trainer_score": score, "trainer_fwd_bwd": fwd_bwd, "engine_prefill": prefill, "engine_decode": decode}
         if graphs:
