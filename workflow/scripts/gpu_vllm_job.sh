@@ -13,8 +13,8 @@
 # 6. (bench) the kernel tables of isoexec.bench.gpu named in BENCH (default "cpr_qwen35 model_before_after cpr", issue
 #    37: CPR vs fla at the Qwen3.5 GDN layer by CUDA-graph replay; the whole model before / after the leaf GEMM's rules;
 #    the CPR layer table; "gates": the bitwise gate matrix, at experiments/h200.yaml) at BENCH_CONFIG
-#    (experiments/h200-rlstep.yaml), each T_BENCH s at most (model_before_after did not finish its isoexec arms in 280 s
-#    on an H100: results/h200/leaf_gemm/top_rows_0e1710b_h100; run it alone with more)
+#    (experiments/h200-rlstep.yaml), each T_BENCH s at most or T_BENCH_<table> for one
+#    (model_before_after did not finish its isoexec arms in 280 s on an H100: results/h200/leaf_gemm/top_rows_0e1710b_h100)
 #                                                              -> $JOB_OUT/bench/ (gates: $JOB_OUT/gates/), bench_<table>.log
 # and every 5 s nvidia-smi's utilisation (gpu_util.csv) and the host's memory in MiB (host_mem.csv: a node lost while
 # three scorers loaded, results/h200-vllm/571a25e-h100, logged only the GPU's). Settings: CONFIG (experiments/h200-rlstep.yaml), GEN (the
@@ -70,7 +70,8 @@ bench() {
   for t in ${BENCH:-cpr_qwen35 model_before_after cpr}; do
     c=${BENCH_CONFIG:-experiments/h200-rlstep.yaml}; d=$O/bench
     [ "$t" = gates ] && { c=experiments/h200.yaml; d=$O/gates; }
-    timeout "${T_BENCH:-300}" python3 -m isoexec.bench.gpu "$t" --config "$c" \
+    tb=T_BENCH_$t; tb=${!tb:-${T_BENCH:-300}}  # T_BENCH_<table> overrides T_BENCH for one table
+    timeout "$tb" python3 -m isoexec.bench.gpu "$t" --config "$c" \
       --out-dir "$d" > "$O/bench_$t.log" 2>&1 || s=$?
     grep -q "'ok': False" "$O/bench_$t.log" && s=1
     tail -n 2 "$O/bench_$t.log" | cut -c1-300
