@@ -63,15 +63,15 @@ class GemmRowBucket(_Section):
 
 class LeafKBucket(_Section):
     """Leaf GEMM launches with leaves at most ``max_leaf_k`` features wide (and, with ``max_rows``, at most that many
-    rows) run this loop with these tiles, at most this many leaves per program, and add the top of the tree where
-    ``top`` says (see ``TritonSection.pik_bfloat16_by_leaf_k``)."""
+    rows) run this loop with these tiles and loads, at most this many leaves per program, and add the top of the tree
+    where ``top`` says (see ``TritonSection.pik_bfloat16_by_leaf_k``)."""
 
     max_leaf_k: PositiveInt
     max_rows: PositiveInt | None = Field(
         None, description="None: launches of more than pik_split_rows rows (the in-register tree); a number: dense "
         "launches of at most that many rows, whatever pik_split_rows says (decode; grouped expert launches keep "
         "pik_split_rows' choice)")
-    loop: Literal["flat", "paired"]
+    loop: Literal["flat", "paired", "flat_paired"]
     tiles: tuple[PositiveInt, PositiveInt, PositiveInt, PositiveInt, PositiveInt] = Field(
         description="BM, BN, BK, num_warps, num_stages; BK must be pik_gemm_bfloat16's")
     program_leaves: PositiveInt = Field(description="a power of two; 1 is the split launch (one leaf per program)")
@@ -81,6 +81,10 @@ class LeafKBucket(_Section):
         "kernel itself (the tile's second program spins until the first's fp32 partial is released, relying on "
         "CUDA dispatching a grid's blocks in increasing order, as CUTLASS's serial split-K does); the same fp32 "
         "addition either way")
+    load: Literal["pointer", "tma"] = Field(
+        "pointer", description="operand tiles by masked pointer loads, or by TMA from host tensor descriptors (where "
+        "the leaf width is a multiple of BK and the operands' rows and bases are 16-byte aligned; else pointer loads): "
+        "the same values reach the same dots, so the same bits")
 
 
 class TritonSection(_Section):
@@ -115,18 +119,19 @@ class TritonSection(_Section):
         "power of two); fewer than G leaves per program keep fewer fp32 tile accumulators live (the pending tree "
         "nodes) and add the levels above in a second kernel through an fp32 buffer. Same additions in the same "
         "order (not bit-relevant, so not in the contract)")
-    pik_loop: Literal["flat", "paired"] = Field(
-        "flat", description="leaf GEMM programs of several leaves: one K loop over all the leaves, or two leaves at a "
-        "time (two tensor-core chains in flight, the tree climbed after each pair; isoexec/kernels/gemm/triton.py). "
+    pik_loop: Literal["flat", "paired", "flat_paired"] = Field(
+        "flat", description="leaf GEMM programs of several leaves: one K loop over all the leaves, two leaves at a "
+        "time (two tensor-core chains in flight, the tree climbed after each pair), or one K loop over the pairs' "
+        "steps with two chains (flat_paired; isoexec/kernels/gemm/triton.py). "
         "Same additions in the same order (not bit-relevant, so not in the contract)")
     pik_bfloat16_by_leaf_k: tuple[LeafKBucket, ...] = Field(
         (), description="bf16/fp16 leaf GEMM launches by leaf width (K / leaves; the same at every TP) and rows: the "
         "first bucket with max_rows (ascending by max_rows, then max_leaf_k) that holds the launch's rows and leaf "
         "width, else, for more rows than pik_split_rows, the first bucket without max_rows (ascending max_leaf_k) that "
-        "holds its leaf width, picks its loop, tiles, leaves per program and top; other launches run pik_loop, "
+        "holds its leaf width, picks its loop, tiles, loads, leaves per program and top; other launches run pik_loop, "
         "pik_gemm_bfloat16 and pik_program_leaves (at most pik_split_rows rows: one leaf per program). BK is "
-        "pik_gemm_bfloat16's: the K steps and the tree fix the bits, BM, BN, warps, stages, loop, leaves per program "
-        "and top move none (results/h200/leaf_gemm/ checks every candidate against the pinned tiles on the GPU)")
+        "pik_gemm_bfloat16's: the K steps and the tree fix the bits, BM, BN, warps, stages, loop, loads, leaves "
+        "per program and top move none (results/h200/leaf_gemm/ checks every candidate against the pinned tiles on the GPU)")
     attn_block_m: PositiveInt = Field(64, description="attention query rows per tile")
     attn_num_warps: PositiveInt = Field(8, description="attention warps per tile (fixes the row reductions' layout)")
     attn_num_stages: PositiveInt = Field(2, description="attention K/V software-pipelining depth")

@@ -118,10 +118,11 @@ def test_gemm_row_buckets_pick_by_rows_and_must_ascend():
 
 
 def test_leaf_buckets_pick_by_leaf_width_and_rows_and_are_checked():
-    """The first leaf-width bucket that holds K / leaves picks loop, tiles, leaves per program and top for bf16 launches
+    """The first leaf-width bucket that holds K / leaves picks loop, tiles, leaves per program, top and loads for bf16 launches
     of the in-register tree (more rows than pik_split_rows, or the tree forced); a bucket with max_rows for launches of
     at most that many rows (before pik_split_rows decides); the forced split launch, fp32 and wider leaves keep the pik_*
-    constants; the contract records the buckets (rows where set) only when some are pinned; unsorted buckets, another
+    constants; the contract records the buckets (rows where set) only when some are pinned, and not their loop or loads
+    (same bits); unsorted buckets, another
     BK and a leaves-per-program that is no power of two are refused, naming the value."""
     import torch
     from pydantic import ValidationError
@@ -131,26 +132,31 @@ def test_leaf_buckets_pick_by_leaf_width_and_rows_and_are_checked():
 
     b64 = {"max_leaf_k": 64, "loop": "paired", "tiles": (64, 64, 64, 4, 2), "program_leaves": 8}
     b512 = {"max_leaf_k": 512, "loop": "paired", "tiles": (128, 128, 64, 8, 3), "program_leaves": 4, "top": "in_kernel"}
+    b512t = {**b512, "loop": "flat_paired", "load": "tma"}
     r256 = {"max_rows": 256, "max_leaf_k": 256, "loop": "paired", "tiles": (64, 64, 64, 4, 3), "program_leaves": 1}
     r256w = {"max_rows": 256, "max_leaf_k": 512, "loop": "paired", "tiles": (128, 128, 64, 8, 3), "program_leaves": 2}
     plain = TritonSection(pik_gemm_bfloat16=(64, 64, 64, 4, 4))
     ok = TritonSection(pik_gemm_bfloat16=(64, 64, 64, 4, 4), pik_bfloat16_by_leaf_k=[r256, r256w, b64, b512])
     bf = torch.bfloat16
-    assert leaf_program_for(ok, bf, 64, 600) == ("paired", (64, 64, 64, 4, 2), 8, "combine")
-    assert leaf_program_for(ok, bf, 128, 600) == ("paired", (128, 128, 64, 8, 3), 4, "in_kernel")
-    assert leaf_program_for(ok, torch.float16, 512, 600) == ("paired", (128, 128, 64, 8, 3), 4, "in_kernel")
-    assert leaf_program_for(ok, bf, 1024, 600) == ("flat", (64, 64, 64, 4, 4), 8, "combine")
-    assert leaf_program_for(ok, bf, 64, 600, split=True) == ("flat", (64, 64, 64, 4, 4), 1, "combine")
-    assert leaf_program_for(ok, torch.float32, 64, 600) == ("flat", tuple(ok.pik_gemm_float32), 8, "combine")
+    assert leaf_program_for(ok, bf, 64, 600) == ("paired", (64, 64, 64, 4, 2), 8, "combine", "pointer")
+    assert leaf_program_for(ok, bf, 128, 600) == ("paired", (128, 128, 64, 8, 3), 4, "in_kernel", "pointer")
+    assert leaf_program_for(ok, torch.float16, 512, 600) == ("paired", (128, 128, 64, 8, 3), 4, "in_kernel", "pointer")
+    assert leaf_program_for(ok, bf, 1024, 600) == ("flat", (64, 64, 64, 4, 4), 8, "combine", "pointer")
+    assert leaf_program_for(ok, bf, 64, 600, split=True) == ("flat", (64, 64, 64, 4, 4), 1, "combine", "pointer")
+    assert leaf_program_for(ok, torch.float32, 64, 600) == ("flat", tuple(ok.pik_gemm_float32), 8, "combine", "pointer")
     # by rows: 256 rows with leaves of 256 and 512 features; 257-512 rows and wider leaves: the split launch
-    assert leaf_program_for(ok, bf, 256, 256) == ("paired", (64, 64, 64, 4, 3), 1, "combine")
-    assert leaf_program_for(ok, bf, 512, 1) == ("paired", (128, 128, 64, 8, 3), 2, "combine")
-    assert leaf_program_for(ok, bf, 512, 300) == ("flat", (64, 64, 64, 4, 4), 1, "combine")
-    assert leaf_program_for(ok, bf, 1024, 8) == ("flat", (64, 64, 64, 4, 4), 1, "combine")
-    assert leaf_program_for(ok, bf, 512, 256, split=False) == ("paired", (128, 128, 64, 8, 3), 4, "in_kernel")
-    assert leaf_program_for(ok, torch.float32, 256, 256) == ("flat", tuple(ok.pik_gemm_float32), 1, "combine")
-    assert leaf_program_for(ok, bf, 256, 256, grouped=True) == ("flat", (64, 64, 64, 4, 4), 1, "combine")  # dense only
-    assert leaf_program_for(ok, bf, 512, 600, grouped=True) == ("paired", (128, 128, 64, 8, 3), 4, "in_kernel")
+    assert leaf_program_for(ok, bf, 256, 256) == ("paired", (64, 64, 64, 4, 3), 1, "combine", "pointer")
+    assert leaf_program_for(ok, bf, 512, 1) == ("paired", (128, 128, 64, 8, 3), 2, "combine", "pointer")
+    assert leaf_program_for(ok, bf, 512, 300) == ("flat", (64, 64, 64, 4, 4), 1, "combine", "pointer")
+    assert leaf_program_for(ok, bf, 1024, 8) == ("flat", (64, 64, 64, 4, 4), 1, "combine", "pointer")
+    assert leaf_program_for(ok, bf, 512, 256, split=False) == ("paired", (128, 128, 64, 8, 3), 4, "in_kernel", "pointer")
+    assert leaf_program_for(ok, torch.float32, 256, 256) == ("flat", tuple(ok.pik_gemm_float32), 1, "combine", "pointer")
+    assert leaf_program_for(ok, bf, 256, 256, grouped=True) == ("flat", (64, 64, 64, 4, 4), 1, "combine", "pointer")  # dense only
+    assert leaf_program_for(ok, bf, 512, 600, grouped=True) == ("paired", (128, 128, 64, 8, 3), 4, "in_kernel", "pointer")
+    tma = TritonSection(pik_gemm_bfloat16=(64, 64, 64, 4, 4), pik_bfloat16_by_leaf_k=[b64, b512t])
+    assert leaf_program_for(tma, bf, 512, 600) == ("flat_paired", (128, 128, 64, 8, 3), 4, "in_kernel", "tma")
+    assert leaf_constants(tma, bf, 8) == leaf_constants(TritonSection(pik_gemm_bfloat16=(64, 64, 64, 4, 4),
+                                                                      pik_bfloat16_by_leaf_k=[b64, b512]), bf, 8)
     assert "leaf_k_buckets" not in leaf_constants(plain, bf, 8)
     assert leaf_constants(ok, bf, 8)["leaf_k_buckets"] == (
         "rows<=256:leaf_k<=256:64x64x64:4w:3s;rows<=256:leaf_k<=512:128x128x64:8w:3s;"
@@ -166,6 +172,8 @@ def test_leaf_buckets_pick_by_leaf_width_and_rows_and_are_checked():
         TritonSection(pik_bfloat16_by_leaf_k=[{**b64, "program_leaves": 3}])
     with pytest.raises(ValidationError, match=r"top"):
         TritonSection(pik_bfloat16_by_leaf_k=[{**b64, "top": "tree_combine"}])
+    with pytest.raises(ValidationError, match=r"load"):
+        TritonSection(pik_bfloat16_by_leaf_k=[{**b64, "load": "cp_async"}])
 
 
 def test_triton_section_refuses_the_cpr_backward_launch_that_faults_on_the_h200():

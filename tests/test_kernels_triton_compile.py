@@ -52,23 +52,33 @@ def test_constant_one_step_leaf_loop_folds_the_tree_add_into_the_dot_negative_co
     assert dots == 2 and adds == 0
 
 
-_LEAF_SIG = {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*fp32", "part_ptr": "*fp32", "flag_ptr": "*i32", "M": "i32",
-             "N": "i32", "stride_xm": "i32",
-             "stride_wn": "i32", "stride_ym": "i32", "stride_we": "i32", "stride_ys": "i32", "tile_e_ptr": "*i32",
-             "tile_r0_ptr": "*i32", "tile_r1_ptr": "*i32", "n_tiles": "i32", "kpl": "i32"}
-
-
-@pytest.mark.parametrize("loop", ["unrolled", "flat", "paired"])
+@pytest.mark.parametrize("tma", [False, True])
+@pytest.mark.parametrize("loop", ["unrolled", "flat", "paired", "flat_paired"])
 @pytest.mark.parametrize("leaf_k", [64, 128])
-def test_leaf_gemm_in_register_tree_keeps_every_addition_for_sm90(leaf_k, loop):
+def test_leaf_gemm_in_register_tree_keeps_every_addition_for_sm90(leaf_k, loop, tma):
+    from isoexec.bench.sm90_compile import leaf_launch
     from isoexec.kernels.gemm.triton import _leaf_gemm_kernel
 
     consts = {"LEAF_K": leaf_k, "LPP": 8, "LOOP": loop, "GROUPED": False, "TOP": False, "BM": 128, "BN": 64, "BK": 64, "GM": 8,
               "PREC": "ieee"}
     # unrolled: 8 leaf loops, 7 tree additions; flat: one K loop whose leaf ends climb the tree's three
-    # levels (one addition each); paired: one K loop of two dots, then the same three levels' additions.
-    # A folded addition would disappear into a dot's accumulator.
-    assert _tile_addf(_leaf_gemm_kernel, _LEAF_SIG, consts) == {"unrolled": (8, 7), "flat": (1, 3), "paired": (2, 3)}[loop]
+    # levels (one addition each); paired and flat_paired: two dots, then the same three levels' additions.
+    # A folded addition would disappear into a dot's accumulator. Pointer or TMA loads: the same.
+    want = {"unrolled": (8, 7), "flat": (1, 3), "paired": (2, 3), "flat_paired": (2, 3)}[loop]
+    assert _tile_addf(_leaf_gemm_kernel, *leaf_launch(consts, tma)) == want
+
+
+@pytest.mark.parametrize("tma", [False, True])
+def test_leaf_gemm_tma_loads_replace_the_pointer_loads_for_sm90(tma):
+    """``load: tma`` compiles the paired loop's operand tiles to TMA copies and no pointer copies; pointer loads
+    (negative control) the other way round."""
+    from isoexec.bench.sm90_compile import compile_sm90, leaf_launch
+    from isoexec.kernels.gemm.triton import _leaf_gemm_kernel
+
+    consts = {"LEAF_K": 512, "LPP": 4, "LOOP": "paired", "GROUPED": True, "TOP": True, "BM": 128, "BN": 64, "BK": 64,
+              "GM": 8, "PREC": "ieee"}
+    r = compile_sm90(_leaf_gemm_kernel, *leaf_launch(consts, tma), 8, 3)  # as the JIT specializes a launch
+    assert (r["tma_loads"] > 0, r["async_loads"] > 0, r["spill_store_bytes"]) == (tma, not tma, 0), r
 
 
 @pytest.mark.parametrize("top", [False, True])
@@ -77,14 +87,14 @@ def test_leaf_gemm_top_in_kernel_adds_the_second_subtree_once_for_sm90(top):
     fp32 partial after its own climb (the pair loop's two climb additions, levels 0 and 1, + 1; the partial released
     and acquired through atomics); without it (negative control) the climb's only, no atomics: the top is
     tree_combine's."""
+    from isoexec.bench.sm90_compile import leaf_launch
     from isoexec.kernels.gemm.triton import _leaf_gemm_kernel
-
-    consts = {"LEAF_K": 512, "LPP": 4, "LOOP": "paired", "GROUPED": False, "TOP": top, "BM": 128, "BN": 64, "BK": 64,
-              "GM": 8, "PREC": "ieee"}
     from triton.backends.compiler import GPUTarget
 
-    assert _tile_addf(_leaf_gemm_kernel, _LEAF_SIG, consts) == (2, 3 if top else 2)
-    sig = {**_LEAF_SIG, **{c: "constexpr" for c in consts}}
+    sig, consts = leaf_launch({"LEAF_K": 512, "LPP": 4, "LOOP": "paired", "GROUPED": False, "TOP": top, "BM": 128, "BN": 64,
+                               "BK": 64, "GM": 8, "PREC": "ieee"})
+    assert _tile_addf(_leaf_gemm_kernel, sig, consts) == (2, 3 if top else 2)
+    sig = {**sig, **{c: "constexpr" for c in consts}}
     ttgir = triton.compile(triton.compiler.ASTSource(fn=_leaf_gemm_kernel, signature=sig, constexprs=consts),
                            target=GPUTarget("cuda", 90, 32), options={"num_warps": 8}).asm["ttgir"]
     atomics = (len(re.findall(r"tt\.atomic_rmw exch, release", ttgir)), len(re.findall(r"tt\.atomic_cas acquire", ttgir)))
@@ -95,12 +105,12 @@ def _dot_waits(loop: str) -> list[int]:
     """The ``pendings`` of every tensor-core wait in the sm90 TTGIR of the leaf GEMM with ``loop``, compiled as the
     JIT specializes it (:func:`isoexec.bench.sm90_compile.compile_sm90`), the pinned h200 tiles 64x64x64, 4 warps,
     4 stages."""
-    from isoexec.bench.sm90_compile import LEAF_SIGNATURE, compile_sm90
+    from isoexec.bench.sm90_compile import compile_sm90, leaf_launch
     from isoexec.kernels.gemm.triton import _leaf_gemm_kernel
 
     consts = {"LEAF_K": 512, "LPP": 8, "LOOP": loop, "GROUPED": False, "TOP": False, "BM": 64, "BN": 64, "BK": 64, "GM": 8,
               "PREC": "ieee"}
-    return [int(p) for p in compile_sm90(_leaf_gemm_kernel, LEAF_SIGNATURE, consts, 4, 4)["dot_waits"].split(";")]
+    return [int(p) for p in compile_sm90(_leaf_gemm_kernel, *leaf_launch(consts), 4, 4)["dot_waits"].split(";")]
 
 
 def test_paired_leaf_loop_keeps_two_tensor_core_dots_in_flight_for_sm90():

@@ -416,7 +416,7 @@ for name, dt in (("fp32", torch.float32), ("fp16", torch.float16)):
     for K in (256, 1024):  # leaves of 32 features (one partial K step) and of 128 (two or four steps)
         x, w = torch.randn(37, K).to(dt), torch.randn(48, K).to(dt)
         out = {}
-        for loop in ("flat", "paired"):
+        for loop in ("flat", "paired", "flat_paired"):
             for lpp in (8, 4, 2):
                 cfg = TritonSection(pik_loop=loop, pik_program_leaves=lpp)
                 out[f"{loop}{lpp}"] = linear_leaves(x, w, cfg, 8, torch.float32, split=False)
@@ -439,6 +439,18 @@ for name, dt in (("fp32", torch.float32), ("fp16", torch.float16)):
         out["top_tree"] = linear_leaves(x, w, topcfg, 8, torch.float32, split=False)
         out["top_partial"] = linear_leaves_partial(x, w, topcfg, 8)
         tg._launch_leaves = launch
+        # TMA loads (fp16 only, as every bucket; leaves of 32 features are not a multiple of BK = 64: pointer loads)
+        tmacfg = TritonSection(pik_bfloat16_by_leaf_k=[
+            {"max_rows": 64, "max_leaf_k": 128, "loop": "flat_paired", "tiles": [128, 64, 64, 4, 2], "program_leaves": 8,
+             "load": "tma"},
+            {"max_leaf_k": 128, "loop": "paired", "tiles": [128, 64, 64, 8, 2], "program_leaves": 4, "top": "in_kernel",
+             "load": "tma"}])
+        descs, make = [], tg._tma_descriptors
+        tg._tma_descriptors = lambda *a: descs.append(make(*a)) or descs[-1]
+        out["tma_rows"] = linear_leaves(x, w, tmacfg, 8, torch.float32)
+        out["tma_tree"] = linear_leaves(x, w, tmacfg, 8, torch.float32, split=False)
+        tg._tma_descriptors = make
+        tma_made = [d is not None for d in descs] == ([K == 1024] * 2 if dt == torch.float16 else [])
         b = [bk for bk in buckets.pik_bfloat16_by_leaf_k if K // 8 <= bk.max_leaf_k][0]
         tb = topcfg.pik_bfloat16_by_leaf_k
         fp32_tiles = tuple(buckets.pik_gemm_float32)
@@ -455,18 +467,19 @@ for name, dt in (("fp32", torch.float32), ("fp16", torch.float16)):
         g_want = torch.cat([linear_leaves(x[:10], ws[0], TritonSection(), 8, split=True),
                             linear_leaves(x[10:], ws[2], TritonSection(), 8, split=True)])
         g_eq = all(torch.equal(grouped_linear_leaves(x, ws, counts, c, 8, split=False), g_want)
-                   for c in (TritonSection(pik_loop="paired"), topcfg))
+                   for c in (TritonSection(pik_loop="paired"), topcfg, tmacfg))
         res[f"{name}_K{K}"] = {"loops_eq_split": all(torch.equal(v, ref) for v in out.values()), "dispatch": seen == want,
                                "tp4_eq": torch.equal(tp4, ref), "grouped_eq": g_eq,
-                               "native_differs": not torch.equal(F.linear(x.float(), w.float()), ref)}
+                               "tma_made": tma_made, "native_differs": not torch.equal(F.linear(x.float(), w.float()), ref)}
 print(json.dumps(res))
 """
 
 
 def test_leaf_gemm_loop_shapes_give_the_same_bits_in_the_interpreter():
-    """The leaf GEMM's loop shapes (``pik_loop`` flat and paired) at 8, 4 and 2 leaves per program, leaf-width buckets
+    """The leaf GEMM's loop shapes (``pik_loop`` flat, paired, flat_paired) at 8, 4 and 2 leaves per program, leaf-width buckets
     (``pik_bfloat16_by_leaf_k``, each launch's loop, tiles, leaves per program and top recorded), buckets by rows and
-    the two subtrees added in the leaf kernel (``top: in_kernel``; direct, a rank's fp32 partial and grouped), a TP=4
+    the two subtrees added in the leaf kernel (``top: in_kernel``; direct, a rank's fp32 partial and grouped), TMA loads
+    (``load: tma``, direct and grouped; descriptors made exactly where the leaf width allows them), a TP=4
     rank's subtree (paired) through the combine, and the grouped launch give the one-leaf-per-program launch's fp32 rows,
     fp32 and fp16 inputs, leaves of one partial K step and of several; the native ``F.linear`` differs (negative
     control). The compiled kernels: ``tests/test_kernels_triton.py`` on a GPU."""
@@ -474,5 +487,5 @@ def test_leaf_gemm_loop_shapes_give_the_same_bits_in_the_interpreter():
     r = subprocess.run([sys.executable, "-c", _LEAF_CASE], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(r.stdout.strip().splitlines()[-1])
-    assert res and all(v == {"loops_eq_split": True, "dispatch": True, "tp4_eq": True, "grouped_eq": True, "native_differs": True}
-                       for v in res.values()), res
+    assert res and all(v == {"loops_eq_split": True, "dispatch": True, "tp4_eq": True, "grouped_eq": True, "tma_made": True,
+                             "native_differs": True} for v in res.values()), res

@@ -16,7 +16,7 @@ multiples of 16), and its PTX assembled by the ptxas that Triton bundles (``-arc
 * ``ctas_per_sm``: programs one SM can hold by registers (65,536 per SM) and shared memory (232,448 bytes);
 * ``dots``: tensor-core dots in the TTGIR; ``dot_waits``: the ``pendings`` of each wait on them (0 = every dot
   before finished; in a K loop it means no tensor-core work overlaps the next step's issue); ``async_loads``:
-  asynchronous global-to-shared copies (prologue and loop).
+  asynchronous global-to-shared copies by pointers (prologue and loop); ``tma_loads``: TMA copies (``load: tma``).
 
 The same numbers hold on the GPU only for the same Triton version (``provenance.json`` records it; the H200 node runs
 Triton 3.6.0, which installs on a CPU machine: ``pip install --target DIR triton==3.6.0``, then ``PYTHONPATH=DIR``).
@@ -34,6 +34,17 @@ from pathlib import Path
 LEAF_SIGNATURE = {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "part_ptr": "*fp32", "flag_ptr": "*i32", "M": "i32",
                   "N": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_ym": "i32", "stride_we": "i32", "stride_ys": "i32",
                   "tile_e_ptr": "*i32", "tile_r0_ptr": "*i32", "tile_r1_ptr": "*i32", "n_tiles": "i32", "kpl": "i32"}
+
+
+def leaf_launch(consts: dict, tma: bool = False) -> tuple[dict, dict]:
+    """(signature, constexprs) of the leaf GEMM with ``consts`` (LEAF_K ... PREC) and pointer loads (the descriptor
+    arguments None, compile-time) or TMA loads (host descriptors of the ``[BM, BK]`` and ``[BN, BK]`` bf16 tiles)."""
+    if tma:
+        bm, bn, bk = consts["BM"], consts["BN"], consts["BK"]
+        return ({**LEAF_SIGNATURE, "x_desc": f"tensordesc<bf16[{bm},{bk}]>", "w_desc": f"tensordesc<bf16[{bn},{bk}]>"},
+                {**consts, "TMA": True})
+    return ({**LEAF_SIGNATURE, "x_desc": "constexpr", "w_desc": "constexpr"},
+            {**consts, "x_desc": None, "w_desc": None, "TMA": False})
 TILES = ((64, 64, 64, 4, 4), (64, 64, 64, 4, 3), (64, 64, 64, 4, 2), (128, 64, 64, 8, 3), (128, 64, 64, 8, 2),
          (128, 128, 64, 8, 3))
 REGISTERS_PER_SM, SHARED_PER_SM = 65536, 232448
@@ -80,7 +91,8 @@ def compile_sm90(fn, signature: dict[str, str], constexprs: dict, num_warps: int
             "ctas_per_sm": min(REGISTERS_PER_SM // (r * 32 * num_warps), SHARED_PER_SM // max(smem, 1)),
             "dots": len(re.findall(r"warp_group_dot ", ttgir)),
             "dot_waits": ";".join(re.findall(r"warp_group_dot_wait .*pendings = (\d+)", ttgir)),
-            "async_loads": len(re.findall(r"async_copy_global_to_local", ttgir))}
+            "async_loads": len(re.findall(r"async_copy_global_to_local", ttgir)),
+            "tma_loads": len(re.findall(r"async_tma_copy_global_to_local", ttgir))}
 
 
 COLUMN_SIGNATURE = {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32",
@@ -115,14 +127,24 @@ def leaf_rows(leaf_k: int = 512) -> list[dict]:
                 consts = {"LEAF_K": leaf_k, "LPP": lpp, "LOOP": loop, "GROUPED": False, "TOP": False, "BM": bm, "BN": bn, "BK": bk,
                           "GM": 8, "PREC": "ieee"}
                 rows.append({"loop": loop, "tiles": f"{bm}x{bn}x{bk}", "num_warps": nw, "num_stages": ns,
-                             "leaves_per_program": lpp, "leaf_k": leaf_k, "top": "combine",
-                             **compile_sm90(_leaf_gemm_kernel, LEAF_SIGNATURE, consts, nw, ns)})
+                             "leaves_per_program": lpp, "leaf_k": leaf_k, "top": "combine", "load": "pointer",
+                             **compile_sm90(_leaf_gemm_kernel, *leaf_launch(consts), nw, ns)})
     for bm, bn, bk, nw, ns in TILES:  # two subtrees of four leaves per tile, the top added in the kernel
         consts = {"LEAF_K": leaf_k, "LPP": 4, "LOOP": "paired", "GROUPED": False, "TOP": True, "BM": bm, "BN": bn,
                   "BK": bk, "GM": 8, "PREC": "ieee"}
         rows.append({"loop": "paired", "tiles": f"{bm}x{bn}x{bk}", "num_warps": nw, "num_stages": ns,
-                     "leaves_per_program": 4, "leaf_k": leaf_k, "top": "in_kernel",
-                     **compile_sm90(_leaf_gemm_kernel, LEAF_SIGNATURE, consts, nw, ns)})
+                     "leaves_per_program": 4, "leaf_k": leaf_k, "top": "in_kernel", "load": "pointer",
+                     **compile_sm90(_leaf_gemm_kernel, *leaf_launch(consts), nw, ns)})
+    # TMA loads (the candidates of isoexec.bench.variants_gpu): the paired and flat_paired loops, 8 leaves per program
+    # and two subtrees of four with the top in the kernel
+    for loop in ("paired", "flat_paired"):
+        for bm, bn, bk, nw, ns in TILES:
+            for lpp, top in ((8, False), (4, True)):
+                consts = {"LEAF_K": leaf_k, "LPP": lpp, "LOOP": loop, "GROUPED": False, "TOP": top, "BM": bm, "BN": bn,
+                          "BK": bk, "GM": 8, "PREC": "ieee"}
+                rows.append({"loop": loop, "tiles": f"{bm}x{bn}x{bk}", "num_warps": nw, "num_stages": ns,
+                             "leaves_per_program": lpp, "leaf_k": leaf_k, "top": "in_kernel" if top else "combine",
+                             "load": "tma", **compile_sm90(_leaf_gemm_kernel, *leaf_launch(consts, tma=True), nw, ns)})
     return rows
 
 

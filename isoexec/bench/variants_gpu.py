@@ -134,17 +134,31 @@ def _variants_leaf(leaf_shapes, data, timed, tc0, G, rec):
              ("paired", (64, 64, 64, 4, 4), 8), ("paired", (64, 64, 64, 4, 3), 8), ("paired", (64, 64, 64, 4, 2), 8),
              ("paired", (128, 64, 64, 8, 3), 8), ("paired", (128, 64, 64, 8, 2), 8), ("paired", (128, 128, 64, 8, 3), 4),
              ("paired", (128, 128, 64, 8, 3), 2)]
-    cands = [(*c, "combine") for c in cands] + [("paired", t, 4, "in_kernel") for t in (
+    cands = [(*c, "combine", "pointer") for c in cands] + [("paired", t, 4, "in_kernel", "pointer") for t in (
         (128, 128, 64, 8, 3), (128, 128, 64, 8, 2), (128, 64, 64, 8, 3), (64, 64, 64, 4, 3), (64, 64, 64, 4, 4))]
+    # TMA loads (no pointer arithmetic or masks in the K loop: 46-48 fewer registers per thread at the same tiles,
+    # sm90_compile/), with the paired loop and with flat_paired (the pairs' K steps in one loop: the loads stream across
+    # pairs, but the dots are waited for in every step); the tiles that compile without spills
+    cands += [("paired", (128, 128, 64, 8, 3), 4, "in_kernel", "tma"), ("paired", (128, 128, 64, 8, 2), 4, "in_kernel", "tma"),
+              ("paired", (128, 64, 64, 8, 3), 8, "combine", "tma"), ("paired", (128, 64, 64, 8, 3), 4, "in_kernel", "tma"),
+              ("paired", (64, 64, 64, 4, 3), 8, "combine", "tma"), ("paired", (64, 64, 64, 4, 4), 4, "in_kernel", "tma"),
+              # two or three programs per SM (112-113 registers, 66-98 KB of shared memory)
+              ("paired", (128, 64, 64, 8, 2), 4, "in_kernel", "tma"), ("paired", (64, 64, 64, 4, 2), 4, "in_kernel", "tma"),
+              ("paired", (64, 64, 64, 4, 3), 4, "in_kernel", "tma"),
+              ("flat", (64, 64, 64, 4, 4), 8, "combine", "tma"),
+              ("flat_paired", (128, 64, 64, 8, 3), 8, "combine", "tma"), ("flat_paired", (128, 64, 64, 8, 3), 4, "in_kernel", "tma"),
+              ("flat_paired", (64, 64, 64, 4, 4), 8, "combine", "tma"), ("flat_paired", (64, 64, 64, 4, 3), 4, "in_kernel", "tma"),
+              ("flat_paired", (128, 64, 64, 8, 3), 8, "combine", "pointer")]
     # first the config's own launch constants (its pik_bfloat16_by_leaf_k buckets included), then each candidate alone
-    for loop, tiles, lpp, top in [(None, None, None, None), *cands]:
+    for loop, tiles, lpp, top, load in [(None, None, None, None, None), *cands]:
         if loop is None:
             cand, conf = tc0, "as configured"
         else:  # the candidate for every leaf width (a bucket holding all; split=True runs the pik_* constants)
-            every = LeafKBucket(max_leaf_k=1 << 20, loop=loop, tiles=tiles, program_leaves=lpp, top=top)
+            every = LeafKBucket(max_leaf_k=1 << 20, loop=loop, tiles=tiles, program_leaves=lpp, top=top, load=load)
             cand = tc0.model_copy(update={"pik_gemm_bfloat16": tiles, "pik_program_leaves": lpp, "pik_loop": loop,
                                           "pik_bfloat16_by_leaf_k": (every,)})
-            conf = f"{loop} " + ",".join(map(str, tiles)) + f" leaves/program<={lpp}" + (" top=in_kernel" if top == "in_kernel" else "")
+            conf = (f"{loop} " + ",".join(map(str, tiles)) + f" leaves/program<={lpp}" + (" top=in_kernel" if top == "in_kernel" else "")
+                    + (" load=tma" if load == "tma" else ""))
         try:
             full = t_gemm.linear_leaves(xl, wl, cand, G, split=False)
             same_as_pinned = bool(torch.equal(full, pinned))  # BK and the tree fix the bits; BM/BN, the launch should not

@@ -149,7 +149,7 @@ def _tree_climb(j, acc, s0, s1, s2, LPP: tl.constexpr):
     return s0, s1, s2
 
 
-# Three loop shapes, the same additions in the same order (``LOOP`` is chosen by the host, not bit-relevant):
+# Four loop shapes, the same additions in the same order (``LOOP`` is chosen by the host, not bit-relevant):
 # - ``flat``: one K loop over the leaves, software-pipelined across leaf boundaries, for programs of several leaves
 #   (one-step leaves included: 0.77x the unrolled time on the H200, ``results/h200/leaf_gemm/README.md``). Its
 #   accumulator is read by the tree climb inside the loop, so Triton waits for every tensor-core dot before the
@@ -157,6 +157,8 @@ def _tree_climb(j, acc, s0, s1, s2, LPP: tl.constexpr):
 # - ``paired``: two leaves at a time, each pair's K loop holding one dot per leaf, two chains in flight
 #   (``pendings = 2``) and only dots on the accumulators, the pair's two leaves climbing the tree after its loop
 #   (one drain per pair);
+# - ``flat_paired``: the paired loop's two dots per K step, in one loop over every pair's K steps (the loads pipelined
+#   across pairs, as flat's across leaves; the climb in the loop, so Triton waits for the dots in every step);
 # - ``unrolled``: the leaf with its own K loop, for one-leaf programs (the split launch, where the flat loop took
 #   1.07-1.55x the time).
 # ``kpl`` (K steps per leaf) is a run-time bound on purpose: with a compile-time kpl of 1 a leaf's dot starts
@@ -170,12 +172,34 @@ def _tree_climb(j, acc, s0, s1, s2, LPP: tl.constexpr):
 # t's flag; program 2t + 1 acquires it (spinning: a lower program id is dispatched no later, so the writer is
 # resident or done), loads the partial past L1 and adds ``left + right``, tree_combine's addition, then rounds once.
 # The serial split-K fix-up of CUTLASS (``Semaphore``) and Triton's stream-K example wait the same way.
+@triton.jit
+def _leaf_step(x_ptr, w_ptr, x_desc, w_desc, rows64, cols64, rmask, cmask, stride_xm, stride_wn, r0, w_row, k_leaf, it,
+               LEAF_K: tl.constexpr, BK: tl.constexpr, TMA: tl.constexpr):
+    """K step ``it`` of the leaf starting at feature ``k_leaf``: the ``[BM, BK]`` x tile and the ``[BK, BN]`` weight
+    tile. Pointer loads mask the rows, columns and the leaf's end (zeros); TMA loads (``TMA``: the host made the
+    descriptors, LEAF_K a multiple of BK) read the tiles at (``r0``, K) and (``w_row``, K), zeros past the tensor's
+    end. Rows past a grouped tile's end and columns past N then hold other rows' and experts' values, whose outputs
+    are never stored: an output element depends only on its own x row and weight row, so the stored bits are the
+    same."""
+    if TMA:
+        k0 = k_leaf + it * BK
+        a = x_desc.load([r0, k0])
+        b = w_desc.load([w_row, k0]).T
+    else:
+        kl = it * BK + tl.arange(0, BK)  # K offset within the leaf
+        ks = k_leaf + kl
+        kmask = kl < LEAF_K
+        a = tl.load(x_ptr + rows64[:, None] * stride_xm + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+        b = tl.load(w_ptr + cols64[None, :] * stride_wn + ks[:, None], mask=kmask[:, None] & cmask[None, :], other=0.0)
+    return a, b
+
+
 @triton.jit(do_not_specialize=["M", "n_tiles", "kpl"])
 def _leaf_gemm_kernel(x_ptr, w_ptr, y_ptr, part_ptr, flag_ptr, M, N, stride_xm, stride_wn, stride_ym, stride_we,
-                      stride_ys, tile_e_ptr, tile_r0_ptr, tile_r1_ptr, n_tiles, kpl,
+                      stride_ys, tile_e_ptr, tile_r0_ptr, tile_r1_ptr, n_tiles, kpl, x_desc, w_desc,
                       LEAF_K: tl.constexpr, LPP: tl.constexpr, LOOP: tl.constexpr, GROUPED: tl.constexpr,
                       TOP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GM: tl.constexpr,
-                      PREC: tl.constexpr):
+                      PREC: tl.constexpr, TMA: tl.constexpr = False):
     # program (tile, s): output tile ``tile`` summed over the subtree s of LPP leaves (K offset s*LPP*LEAF_K)
     if TOP:
         tile = tl.program_id(0) // 2
@@ -192,6 +216,9 @@ def _leaf_gemm_kernel(x_ptr, w_ptr, y_ptr, part_ptr, flag_ptr, M, N, stride_xm, 
     rows64 = rows.to(tl.int64)
     cols64 = cols.to(tl.int64)
     k_base = sub * (LPP * LEAF_K)
+    w_row = pid_n * BN  # the weight tile's first row for TMA loads: [N, K], or the experts' [E * N, K]
+    if TMA and GROUPED:
+        w_row += tl.load(tile_e_ptr + tile // tl.cdiv(N, BN)) * N
     if GROUPED:
         kpl = tl.where(r0 < r1, kpl, 0)
     s0 = tl.zeros((BM, BN), dtype=tl.float32)
@@ -202,11 +229,8 @@ def _leaf_gemm_kernel(x_ptr, w_ptr, y_ptr, part_ptr, flag_ptr, M, N, stride_xm, 
         for t in range(0, LPP * kpl):
             j = t // kpl
             it = t - j * kpl
-            kl = it * BK + tl.arange(0, BK)  # K offset within the leaf
-            ks = k_base + j * LEAF_K + kl
-            kmask = kl < LEAF_K
-            a = tl.load(x_ptr + rows64[:, None] * stride_xm + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-            b = tl.load(w_ptr + cols64[None, :] * stride_wn + ks[:, None], mask=kmask[:, None] & cmask[None, :], other=0.0)
+            a, b = _leaf_step(x_ptr, w_ptr, x_desc, w_desc, rows64, cols64, rmask, cmask, stride_xm, stride_wn, r0, w_row,
+                              k_base + j * LEAF_K, it, LEAF_K, BK, TMA)
             acc = tl.dot(a, b, acc, input_precision=PREC)
             if it == kpl - 1:
                 s0, s1, s2 = _tree_climb(j, acc, s0, s1, s2, LPP)
@@ -216,28 +240,38 @@ def _leaf_gemm_kernel(x_ptr, w_ptr, y_ptr, part_ptr, flag_ptr, M, N, stride_xm, 
             acc = tl.zeros((BM, BN), dtype=tl.float32)
             acc2 = tl.zeros((BM, BN), dtype=tl.float32)
             for it in range(0, kpl):
-                kl = it * BK + tl.arange(0, BK)
-                ks = k_base + 2 * p * LEAF_K + kl
-                kmask = kl < LEAF_K
-                a = tl.load(x_ptr + rows64[:, None] * stride_xm + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-                b = tl.load(w_ptr + cols64[None, :] * stride_wn + ks[:, None], mask=kmask[:, None] & cmask[None, :], other=0.0)
-                a2 = tl.load(x_ptr + rows64[:, None] * stride_xm + (ks + LEAF_K)[None, :],
-                             mask=rmask[:, None] & kmask[None, :], other=0.0)
-                b2 = tl.load(w_ptr + cols64[None, :] * stride_wn + (ks + LEAF_K)[:, None],
-                             mask=kmask[:, None] & cmask[None, :], other=0.0)
+                k_leaf = k_base + 2 * p * LEAF_K
+                a, b = _leaf_step(x_ptr, w_ptr, x_desc, w_desc, rows64, cols64, rmask, cmask, stride_xm, stride_wn, r0,
+                                  w_row, k_leaf, it, LEAF_K, BK, TMA)
+                a2, b2 = _leaf_step(x_ptr, w_ptr, x_desc, w_desc, rows64, cols64, rmask, cmask, stride_xm, stride_wn, r0,
+                                    w_row, k_leaf + LEAF_K, it, LEAF_K, BK, TMA)
                 acc = tl.dot(a, b, acc, input_precision=PREC)
                 acc2 = tl.dot(a2, b2, acc2, input_precision=PREC)
             # leaf 2p's partial is the pending level-0 node when leaf 2p + 1 climbs (what climbing 2p would leave)
             s0, s1, s2 = _tree_climb(2 * p + 1, acc2, acc, s1, s2, LPP)
+    elif LOOP == "flat_paired":  # the paired loop's two dots per K step in one loop over every pair's K steps
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        acc2 = tl.zeros((BM, BN), dtype=tl.float32)
+        for t in range(0, (LPP // 2) * kpl):
+            p = t // kpl
+            it = t - p * kpl
+            k_leaf = k_base + 2 * p * LEAF_K
+            a, b = _leaf_step(x_ptr, w_ptr, x_desc, w_desc, rows64, cols64, rmask, cmask, stride_xm, stride_wn, r0, w_row,
+                              k_leaf, it, LEAF_K, BK, TMA)
+            a2, b2 = _leaf_step(x_ptr, w_ptr, x_desc, w_desc, rows64, cols64, rmask, cmask, stride_xm, stride_wn, r0,
+                                w_row, k_leaf + LEAF_K, it, LEAF_K, BK, TMA)
+            acc = tl.dot(a, b, acc, input_precision=PREC)
+            acc2 = tl.dot(a2, b2, acc2, input_precision=PREC)
+            if it == kpl - 1:  # as the paired loop's climb after a pair
+                s0, s1, s2 = _tree_climb(2 * p + 1, acc2, acc, s1, s2, LPP)
+                acc = tl.zeros((BM, BN), dtype=tl.float32)
+                acc2 = tl.zeros((BM, BN), dtype=tl.float32)
     else:
         for j in tl.static_range(LPP):  # leaves unrolled: each leaf is one plain (pipelined) K loop
             acc = tl.zeros((BM, BN), dtype=tl.float32)
             for it in range(0, kpl):
-                kl = it * BK + tl.arange(0, BK)
-                ks = k_base + j * LEAF_K + kl
-                kmask = kl < LEAF_K
-                a = tl.load(x_ptr + rows64[:, None] * stride_xm + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-                b = tl.load(w_ptr + cols64[None, :] * stride_wn + ks[:, None], mask=kmask[:, None] & cmask[None, :], other=0.0)
+                a, b = _leaf_step(x_ptr, w_ptr, x_desc, w_desc, rows64, cols64, rmask, cmask, stride_xm, stride_wn, r0,
+                                  w_row, k_base + j * LEAF_K, it, LEAF_K, BK, TMA)
                 acc = tl.dot(a, b, acc, input_precision=PREC)
             s0, s1, s2 = _tree_climb(j, acc, s0, s1, s2, LPP)
     if TOP:
@@ -343,14 +377,14 @@ def _bucket_str(b) -> str:
 
 
 def leaf_program_for(cfg, dtype: torch.dtype, leaf_k: int, rows: int, split: bool | None = None,
-                     grouped: bool = False) -> tuple[str, tuple[int, int, int, int, int], int, str]:
-    """(loop, tiles, most leaves per program, top) of a leaf GEMM launch of ``rows`` rows with leaves of ``leaf_k``
-    features. bf16/fp16, ``split`` None: the first ``pik_bfloat16_by_leaf_k`` bucket with ``max_rows`` that holds
-    ``rows`` and ``leaf_k`` (dense launches only: ``grouped`` expert launches, whose rows are tokens x top-k over many
-    experts' tiles, were not timed with them), else for ``rows > pik_split_rows`` the first bucket without ``max_rows`` that holds
-    ``leaf_k``. ``split`` False (the in-register tree forced): only the latter. No bucket (fp32, ``split`` True, or none
-    holds the launch): ``pik_loop``, the ``pik_gemm_*`` tiles, one leaf per program for ``split`` or
-    ``rows <= pik_split_rows`` else ``pik_program_leaves``, and ``"combine"``."""
+                     grouped: bool = False) -> tuple[str, tuple[int, int, int, int, int], int, str, str]:
+    """(loop, tiles, most leaves per program, top, load) of a leaf GEMM launch of ``rows`` rows with leaves of
+    ``leaf_k`` features. bf16/fp16, ``split`` None: the first ``pik_bfloat16_by_leaf_k`` bucket with ``max_rows`` that
+    holds ``rows`` and ``leaf_k`` (dense launches only: ``grouped`` expert launches, whose rows are tokens x top-k over
+    many experts' tiles, were not timed with them), else for ``rows > pik_split_rows`` the first bucket without
+    ``max_rows`` that holds ``leaf_k``. ``split`` False (the in-register tree forced): only the latter. No bucket (fp32,
+    ``split`` True, or none holds the launch): ``pik_loop``, the ``pik_gemm_*`` tiles, one leaf per program for
+    ``split`` or ``rows <= pik_split_rows`` else ``pik_program_leaves``, ``"combine"`` and ``"pointer"``."""
     if split is not True and dtype in (torch.bfloat16, torch.float16):
         buckets = cfg.pik_bfloat16_by_leaf_k
         hit = [b for b in buckets if b.max_rows is not None and rows <= b.max_rows and leaf_k <= b.max_leaf_k
@@ -361,9 +395,9 @@ def leaf_program_for(cfg, dtype: torch.dtype, leaf_k: int, rows: int, split: boo
             tree = split is False or rows > cfg.pik_split_rows
             b = next((b for b in buckets if b.max_rows is None and leaf_k <= b.max_leaf_k), None) if tree else None
         if b is not None:
-            return b.loop, tuple(b.tiles), b.program_leaves, b.top
+            return b.loop, tuple(b.tiles), b.program_leaves, b.top, b.load
     one = split is True or (split is None and rows <= cfg.pik_split_rows)
-    return cfg.pik_loop, tiles_for(cfg, dtype, leaf=True), 1 if one else cfg.pik_program_leaves, "combine"
+    return cfg.pik_loop, tiles_for(cfg, dtype, leaf=True), 1 if one else cfg.pik_program_leaves, "combine", "pointer"
 
 
 def _contig_k(t: torch.Tensor) -> torch.Tensor:
@@ -551,16 +585,32 @@ def tree_combine(parts: torch.Tensor, out_dtype: torch.dtype, out: torch.Tensor 
     return y
 
 
-def _launch_leaves(x, w, y, counts, cfg, leaf_k: int, lpp: int, n_sub: int, loop: str, tiles, top: bool = False):
-    """One leaf-GEMM launch: programs (tile, subtree) over ``n_sub`` subtrees of ``lpp`` leaves, with ``loop`` and
-    ``tiles`` of :func:`leaf_program_for`; y is ``[n_sub, R, N]`` (or ``[R, N]`` when n_sub == 1 or ``top``: the two
-    subtrees added in the kernel, n_sub == 2). ``counts``: None (w ``[N, K]``), or the ``[E]`` integer rows per expert
-    on x's device (w ``[E, N, K]``), whose grid has the static T of :func:`_group_tiles`."""
+def _tma_descriptors(x, w, leaf_k: int, BM: int, BN: int, BK: int):
+    """(x, weight) host TMA descriptors of the leaf GEMM's ``[BM, BK]`` and ``[BN, BK]`` tiles, over x ``[R, K]`` and
+    w ``[N, K]`` (or ``[E, N, K]`` seen as ``[E * N, K]``), or None where TMA cannot read the leaves as the pointer
+    loads do: a leaf width that is not a multiple of BK (a step would read the next leaf), or rows or bases that
+    are not 16-byte aligned (TMA's rule)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    w2 = w.reshape(-1, w.shape[-1]) if w.dim() == 3 else w
+    if leaf_k % BK or any(t.data_ptr() % 16 or (t.stride(0) * t.element_size()) % 16 for t in (x, w2)):
+        return None
+    return TensorDescriptor.from_tensor(x, [BM, BK]), TensorDescriptor.from_tensor(w2, [BN, BK])
+
+
+def _launch_leaves(x, w, y, counts, cfg, leaf_k: int, lpp: int, n_sub: int, loop: str, tiles, top: bool = False,
+                   load: str = "pointer"):
+    """One leaf-GEMM launch: programs (tile, subtree) over ``n_sub`` subtrees of ``lpp`` leaves, with ``loop``,
+    ``tiles`` and ``load`` of :func:`leaf_program_for` (``"tma"``: pointer loads where :func:`_tma_descriptors` gives
+    none); y is ``[n_sub, R, N]`` (or ``[R, N]`` when n_sub == 1 or ``top``: the two subtrees added in the kernel,
+    n_sub == 2). ``counts``: None (w ``[N, K]``), or the ``[E]`` integer rows per expert on x's device (w
+    ``[E, N, K]``), whose grid has the static T of :func:`_group_tiles`."""
     BM, BN, BK, nw, ns = tiles
     R = x.shape[0]
     N = w.shape[-2]
     kpl = triton.cdiv(leaf_k, BK)
     loop = loop if lpp > 1 else "unrolled"
+    descs = _tma_descriptors(x, w, leaf_k, BM, BN, BK) if load == "tma" else None
     if counts is None:
         n_t, meta, stride_w, stride_we = 0, (x, x, x), w.stride(0), 0
         n_tiles = triton.cdiv(R, BM) * triton.cdiv(N, BN)
@@ -575,8 +625,9 @@ def _launch_leaves(x, w, y, counts, cfg, leaf_k: int, lpp: int, n_sub: int, loop
     else:
         part, flag, grid = x, x, (n_tiles, n_sub)
     _leaf_gemm_kernel[grid](x, w, y, part, flag, R, N, x.stride(0), stride_w, N, stride_we, R * N, meta[0], meta[1],
-                            meta[2], n_t, kpl, LEAF_K=leaf_k, LPP=lpp, LOOP=loop, GROUPED=counts is not None, TOP=top,
-                            BM=BM, BN=BN, BK=BK, GM=cfg.gemm_group_m, PREC=DOT_PRECISION, num_warps=nw, num_stages=ns)
+                            meta[2], n_t, kpl, *(descs or (None, None)), LEAF_K=leaf_k, LPP=lpp, LOOP=loop,
+                            GROUPED=counts is not None, TOP=top, BM=BM, BN=BN, BK=BK, GM=cfg.gemm_group_m,
+                            PREC=DOT_PRECISION, TMA=descs is not None, num_warps=nw, num_stages=ns)
 
 
 def _launch_all(x, w, counts, cfg, leaf_k: int, leaves: int, split: bool | None, alloc, out_dtype, out=None):
@@ -585,14 +636,15 @@ def _launch_all(x, w, counts, cfg, leaf_k: int, leaves: int, split: bool | None,
     upper levels by :func:`tree_combine` (into ``out`` if given), or, for two subtrees with ``top`` ``"in_kernel"``,
     in the leaf kernel."""
     R, N = x.shape[0], w.shape[-2]
-    loop, tiles, cap, top = leaf_program_for(cfg, x.dtype, leaf_k, R, True if leaves == 1 else split, counts is not None)
+    loop, tiles, cap, top, load = leaf_program_for(cfg, x.dtype, leaf_k, R, True if leaves == 1 else split,
+                                                   counts is not None)
     lpp = min(leaves, cap)
     if lpp < leaves and not (top == "in_kernel" and leaves == 2 * lpp):
         parts = alloc((leaves // lpp, R, N), device=x.device, dtype=torch.float32)
-        _launch_leaves(x, w, parts, counts, cfg, leaf_k, lpp, leaves // lpp, loop, tiles)
+        _launch_leaves(x, w, parts, counts, cfg, leaf_k, lpp, leaves // lpp, loop, tiles, load=load)
         return tree_combine(parts, out_dtype, out=out)
     y = out if out is not None else alloc((R, N), device=x.device, dtype=out_dtype)
-    _launch_leaves(x, w, y, counts, cfg, leaf_k, lpp, leaves // lpp, loop, tiles, top=lpp < leaves)
+    _launch_leaves(x, w, y, counts, cfg, leaf_k, lpp, leaves // lpp, loop, tiles, top=lpp < leaves, load=load)
     return y
 
 
