@@ -341,6 +341,73 @@ def test_cpr_triton_backward_matches_the_fp64_gradient_and_keeps_the_forward_bit
         assert err < max(3 * err_torch, 5e-3), (name, err, err_torch)  # tf32 dots
 
 
+def _capture_after_warm_up(fn):
+    """``fn`` captured in a CUDA graph after one warm-up call on a side stream (torch.cuda.graphs' practice; the
+    call before capture builds CPR's launch metadata): (graph, the captured call's output)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
+@pytest.mark.filterwarnings("ignore:The CUDA Graph is empty")  # the refused capture ends with no kernel in it
+@pytest.mark.parametrize("keep_state", [False, True])  # trainer; prefill (fresh pool slots, states kept)
+def test_cpr_forward_replays_in_a_cuda_graph_with_the_eager_bits(keep_state):
+    """CPR's forward captured after a warm-up replays the eager output bit for bit (full fp32 rows), also after
+    the launch-metadata cache turned over (the captured entries stay); replayed on new values in the captured
+    inputs it gives a new eager call's bits (negative control: the replay computes, the old bits differ). A call
+    whose metadata no call before the capture built is refused in one line."""
+    from isoexec.kernels.gdn import triton as t_gdn
+
+    C, lengths = 64, [150, 64, 37]
+    q, k, v, g, b = _gdn_inputs(sum(lengths))
+
+    def fwd():
+        return t_gdn.cpr_gdn(q, k, v, g, b, lengths, [None] * 3, C, CFG, keep_state=keep_state)[0]
+
+    eager = fwd()
+    graph, out = _capture_after_warm_up(fwd)
+    for i in range(2 * t_gdn.META_CACHE_SIZE):
+        t_gdn.device_meta([i, -1], torch.int32, DEV)
+    graph.replay()
+    assert torch.equal(out, eager)
+    v.copy_(torch.randn_like(v))
+    graph.replay()
+    assert not torch.equal(out, eager) and torch.equal(out, fwd())
+    with pytest.raises(RuntimeError, match="^CPR metadata for these sequence lengths .* must be built by a call before"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            t_gdn.cpr_gdn(q, k, v, g, b, [151, 100], [None] * 2, C, CFG, keep_state=keep_state)
+
+
+def test_cpr_forward_and_backward_replay_in_one_cuda_graph_with_the_eager_bits():
+    """The trainer's CPR forward + Triton backward (``torch.autograd.grad`` of ``<o, do>``) captured after a
+    warm-up replays the eager gradients bit for bit; a new ``do`` in the captured buffer gives a new eager call's
+    gradients (negative control: the old ones differ)."""
+    from isoexec.kernels.gdn.triton_backward import CPRTritonTrainerFunction
+
+    C, lengths = 64, [150, 64, 37]
+    q, k, v, g, b = _gdn_inputs(sum(lengths))
+    do = torch.randn_like(v)
+
+    def fwd_bwd():
+        ins = [x.detach().requires_grad_() for x in (q, k, v, g, b)]
+        return torch.autograd.grad(CPRTritonTrainerFunction.apply(*ins, lengths, C, CFG), ins, do)
+
+    eager = fwd_bwd()
+    graph, out = _capture_after_warm_up(fwd_bwd)
+    graph.replay()
+    assert all(torch.equal(a, e) for a, e in zip(out, eager))
+    do.copy_(torch.randn_like(do))
+    graph.replay()
+    assert not any(torch.equal(a, e) for a, e in zip(out, eager))
+    assert all(torch.equal(a, e) for a, e in zip(out, fwd_bwd()))
+
+
 def test_fla_chunk_and_recurrent_differ_negative_control():
     pytest.importorskip("fla")
     from isoexec.kernels.gdn.native import fla_gdn

@@ -208,10 +208,13 @@ def cpr_qwen35_table(cfg, log=print, T=8192, hv=32, d=128) -> list[dict]:
     ``d``), one sequence of ``T`` tokens: forward and forward + backward (the backward of ``<o, do>``), each timed two
     ways side by side: ``triton.testing.do_bench`` (CUDA events around each call, L2 flushed) and the replay of one
     CUDA graph of the call (:func:`isoexec.bench.timing_gpu.bench_graph`), the timing of QwenLM/FlashQLA's published
-    table, so that its figures compare. A strategy that cannot be captured (CPR's host-side metadata) gets NaN there
-    and its error. fla: bf16 q, k, v, beta made before the timed calls (forward, and forward + backward on bf16 leaf
+    table, so that its figures compare. Each capture follows a warm-up call of the same strategy
+    (:func:`isoexec.bench.timing_gpu.capture_graph`), which copies CPR's launch metadata to the device
+    (:func:`isoexec.kernels.gdn.triton.device_meta`); a strategy that cannot be captured gets NaN there and its
+    error. fla: bf16 q, k, v, beta made before the timed calls (forward, and forward + backward on bf16 leaf
     tensors with a bf16 output gradient), its chunk backward with the Hopper refusal lifted
-    (:func:`_fla_gated_chunk_backward_unguarded`, timing only); CPR: fp32 inputs, the Triton chunkwise backward.
+    (:func:`_fla_gated_chunk_backward_unguarded`, timing only); CPR: fp32 inputs, the forward as prefill calls it
+    (``keep_state=True``: the state kept in a pool slot), the Triton chunkwise backward.
 
     Returns one row per (pass, strategy): ``ms_events``, ``ms_graph``, the ratios to fla's, and ``error``."""
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule

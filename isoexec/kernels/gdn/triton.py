@@ -27,16 +27,84 @@ the running state and the raw (k, v, g, beta) of the open chunk. When a chunk co
 pass re-runs over the buffered chunk from the entry state and the running state is replaced by the
 result (resync). So trainer, prefill, chunked prefill and decode see identical states at every chunk
 boundary and identical in-chunk scans.
+
+The kernels' launch metadata (which rows, chunks, states and slots each program takes) is built on the host
+and reaches the device through :func:`device_meta`, a bounded cache: a trainer or prefill call made once
+before a CUDA-graph capture can be captured and replayed (a replayed prefill writes the pool slots its
+captured call held; the decode graphs use :func:`decode_scan_slots`, whose metadata is built on the device).
 """
 
 from __future__ import annotations
 
 import weakref
+from collections import OrderedDict
 
 import torch
 import triton
 import triton.language as tl
 
+
+# ------------------------------------------------------------------------------- launch metadata
+META_CACHE_SIZE = 32
+_meta_lru: OrderedDict = OrderedDict()
+_meta_captured: dict = {}
+
+
+def device_meta(values, dtype: torch.dtype, device) -> torch.Tensor:
+    """The host-built launch metadata ``values`` as a device tensor, built once and then reused, so that a call
+    captured in a CUDA graph copies nothing from the host.
+
+    Every host-to-device copy of :func:`cpr_gdn`'s general path (trainer and prefill: the int32 chunk / chain /
+    segment tables, the int64 slot and row indices of the state bookkeeping), of :meth:`StatePool.alloc` and of
+    :func:`isoexec.kernels.gdn.triton_backward.cpr_gdn_backward` goes through here (the decode step's
+    :func:`_decode_step` and :func:`complete_chunks` copy per call: their metadata changes every token, and the
+    decode graphs build theirs on the device, :func:`decode_scan_slots`). A copy from pageable host memory cannot
+    be captured, and a pinned buffer copied during capture would have to stay alive and unchanged for every
+    replay; instead the first call (a warm-up before capture, as CUDA-graph practice has anyway) copies, and
+    later calls with the same metadata, the captured one included, read the tensor made then.
+
+    Keyed by ``(device, dtype, tuple(values))``. At most :data:`META_CACHE_SIZE` (32) entries are kept in
+    least-recently-used order: the GDN layers of a trainer step share one forward and one backward entry per
+    list of sequence lengths and chunk size (no slot and no head count enters the trainer's metadata), so a few
+    dozen cover the shapes in flight while the device memory stays bounded; prefill metadata names pool slots, so
+    it mostly misses and copies as every call did before this cache. An entry read during a capture leaves the
+    bound and is kept for the process's lifetime: the graph reads its address at every replay, and nothing says
+    when the graph is gone. A hit outside capture records the current stream's use of the tensor, so that freeing
+    it on eviction waits for that stream's kernels.
+
+    Args:
+        values: Python ints (a sequence). dtype: ``torch.int32`` or ``torch.int64``. device: where the kernels
+            read it.
+
+    Returns:
+        ``[len(values)]`` tensor of ``dtype`` on ``device`` equal to ``values``, shared with later calls: read it,
+        never write it.
+
+    Raises:
+        RuntimeError: a CUDA stream is capturing and these values were not built before the capture.
+    """
+    dev = torch.device(device)
+    key = (dev, dtype, tuple(values))
+    t = _meta_captured.get(key)
+    if t is not None:
+        return t
+    t = _meta_lru.get(key)
+    if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        if t is None:
+            raise RuntimeError(f"CPR metadata for these sequence lengths ({len(values)} {dtype} entries on {dev}) must "
+                               "be built by a call before capture: run the same call once outside the CUDA graph first")
+        _meta_captured[key] = _meta_lru.pop(key)
+        return t
+    if t is None:
+        t = torch.tensor(key[2], dtype=dtype).to(dev, non_blocking=True)
+        _meta_lru[key] = t
+        if len(_meta_lru) > META_CACHE_SIZE:
+            _meta_lru.popitem(last=False)
+        return t
+    _meta_lru.move_to_end(key)
+    if dev.type == "cuda":
+        t.record_stream(torch.cuda.current_stream(dev))
+    return t
 
 
 def constants(chunk_size: int, cfg) -> dict:
@@ -255,7 +323,7 @@ class StatePool:
             self._alloc_tensors(self.cap * 2)
         slots = [self.free.pop() for _ in range(n)]
         if slots:
-            idx = torch.tensor(slots, device=self.device)
+            idx = device_meta(slots, torch.int64, self.device)
             self.entry.index_fill_(0, idx, 0.0)
             self.running.index_fill_(0, idx, 0.0)
         return slots
@@ -307,6 +375,8 @@ def cpr_gdn(q, k, v, g, beta, lengths: list[int], states: list, chunk_size: int,
 
     Raises:
         ValueError: a state built with another chunk size than ``chunk_size``.
+        RuntimeError: under CUDA-graph capture, metadata (lengths, states' slots and open counts) that no call
+            before the capture built (:func:`device_meta`).
     """
     bad = [s.pool.c for s in states if s is not None and s.pool.c != chunk_size]
     if bad:
@@ -373,9 +443,9 @@ def cpr_gdn(q, k, v, g, beta, lengths: list[int], states: list, chunk_size: int,
                 buf_dst.append((slot, p, row0 + full * C + p - n_open))
             st.n_open = m % C
         row0 += n
-    # ---- one host-to-device copy of all metadata
+    # ---- all metadata in one device tensor (one copy, or none when a call before built the same)
     n_prep, n_chain, n_seg = len(prep) // 3, len(chain) // 4, len(segs) // 6
-    meta = torch.tensor(prep + chain + segs, dtype=torch.int32).to(dev, non_blocking=True)
+    meta = device_meta(prep + chain + segs, torch.int32, dev)
     m_prep, m_chain, m_seg = meta[: 3 * n_prep], meta[3 * n_prep : 3 * n_prep + 4 * n_chain], meta[3 * n_prep + 4 * n_chain :]
     f32 = dict(device=dev, dtype=torch.float32)
     dummy = torch.empty(1, **f32)
@@ -403,16 +473,16 @@ def cpr_gdn(q, k, v, g, beta, lengths: list[int], states: list, chunk_size: int,
         return o, [None] * len(lengths)
     # ---- state bookkeeping (batched index ops)
     if post_entry:
-        sl = torch.tensor([s for s, _ in post_entry], device=dev)
-        ei = torch.tensor([e for _, e in post_entry], device=dev)
+        se = device_meta([s for s, _ in post_entry] + [e for _, e in post_entry], torch.int64, dev)
+        sl, ei = se[: len(post_entry)], se[len(post_entry) :]
         pool.entry.index_copy_(0, sl, E.index_select(0, ei))
     if post_f:
-        pool.running.index_copy_(0, torch.tensor(post_f, device=dev), F[: len(post_f)])
+        pool.running.index_copy_(0, device_meta(post_f, torch.int64, dev), F[: len(post_f)])
     if post_resync:
-        sl = torch.tensor(post_resync, device=dev)
+        sl = device_meta(post_resync, torch.int64, dev)
         pool.running.index_copy_(0, sl, pool.entry.index_select(0, sl))
     if buf_dst:
-        bd = torch.tensor(buf_dst, device=dev).t()
+        bd = device_meta([x for d in buf_dst for x in d], torch.int64, dev).view(-1, 3).t()
         s_i, p_i, r_i = bd[0], bd[1], bd[2]
         pool.bk[s_i, p_i] = k[r_i]
         pool.bv[s_i, p_i] = v[r_i]

@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from isoexec.kernels.gdn.triton import _state_chain
+from isoexec.kernels.gdn.triton import _state_chain, device_meta
 
 
 @triton.jit
@@ -296,6 +296,8 @@ def cpr_gdn_backward(q, k, v, g, beta, do, lengths: list[int], chunk_size: int, 
 
     Raises:
         ValueError: ``chunk_size`` not a power of two >= 16, or ``lengths`` not summing to N.
+        RuntimeError: under CUDA-graph capture, ``lengths`` and ``chunk_size`` that no call before the capture
+            ran (:func:`isoexec.kernels.gdn.triton.device_meta`).
     """
     C = chunk_size
     if C < 16 or C & (C - 1):
@@ -321,9 +323,8 @@ def cpr_gdn_backward(q, k, v, g, beta, do, lengths: list[int], chunk_size: int, 
     dg, db = torch.zeros_like(g), torch.zeros_like(beta)
     if NC == 0:
         return dq, dk_, dv, dg, db
-    meta = torch.tensor(cmeta + smeta + [x for i in range(S) for x in (smeta[2 * i], smeta[2 * i + 1] - 1,
-                                                                        -1, smeta[2 * i])],
-                        dtype=torch.int32).to(dev, non_blocking=True)
+    chain = [x for i in range(S) for x in (smeta[2 * i], smeta[2 * i + 1] - 1, -1, smeta[2 * i])]
+    meta = device_meta(cmeta + smeta + chain, torch.int32, dev)
     m_c, m_s, m_chain = meta[: 3 * NC], meta[3 * NC : 3 * NC + 2 * S], meta[3 * NC + 2 * S :]
     bt = min(C, 16)
     T, P = torch.empty((NC, H, C, C), **f32), torch.empty((NC, H, C, C), **f32)
@@ -357,7 +358,8 @@ class CPRTritonTrainerFunction(torch.autograd.Function):
     from zero states, ``keep_state=False``), :func:`cpr_gdn_backward` backward.
 
     Inputs: q, k ``[N, H, Dk]``, v ``[N, H, Dv]``, g, beta ``[N, H]``; ``lengths`` per sequence;
-    ``chunk_size`` C; ``cfg`` the ``TritonSection``. Returns o ``[N, H, Dv]`` fp32.
+    ``chunk_size`` C; ``cfg`` the ``TritonSection``. Returns o ``[N, H, Dv]`` fp32. Forward and backward can
+    be captured in one CUDA graph once a call with the same ``lengths`` and C ran before the capture.
     """
 
     @staticmethod
