@@ -213,8 +213,9 @@ def cpr_qwen35_table(cfg, log=print, T=8192, hv=32, d=128) -> list[dict]:
     (:func:`isoexec.kernels.gdn.triton.device_meta`); a strategy that cannot be captured gets NaN there and its
     error. fla: bf16 q, k, v, beta made before the timed calls (forward, and forward + backward on bf16 leaf
     tensors with a bf16 output gradient), its chunk backward with the Hopper refusal lifted
-    (:func:`_fla_gated_chunk_backward_unguarded`, timing only); CPR: fp32 inputs, the forward as prefill calls it
-    (``keep_state=True``: the state kept in a pool slot), the Triton chunkwise backward.
+    (:func:`_fla_gated_chunk_backward_unguarded`, timing only); CPR: fp32 inputs, the forward as the trainer calls it
+    (``cpr_trainer``: ``keep_state=False``, no final state, as fla's call) and as prefill does (``cpr_prefill``: the
+    state kept in a pool slot), the Triton chunkwise backward.
 
     Returns one row per (pass, strategy): ``ms_events``, ``ms_graph``, the ratios to fla's, and ``error``."""
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
@@ -227,7 +228,8 @@ def cpr_qwen35_table(cfg, log=print, T=8192, hv=32, d=128) -> list[dict]:
     cu = torch.tensor([0, T], device="cuda")
     bf = [x.to(torch.bfloat16)[None] for x in (q, k, v)]
     fwd = {"fla_chunk": lambda: chunk_gated_delta_rule(*bf, g=g[None], beta=b.to(torch.bfloat16)[None], cu_seqlens=cu),
-           "cpr": lambda: t_gdn.cpr_gdn(q, k, v, g, b, [T], [None], C, tc)}
+           "cpr_trainer": lambda: t_gdn.cpr_gdn(q, k, v, g, b, [T], [None], C, tc, keep_state=False),
+           "cpr_prefill": lambda: t_gdn.cpr_gdn(q, k, v, g, b, [T], [None], C, tc)}
     do = torch.randn_like(v)
     cpr_fwd_bwd = _trainer_fwd_bwd(cfg, q, k, v, g, b, [T], do)["cpr"]
     bf_in, do_bf = [*bf, g[None], b.to(torch.bfloat16)[None]], do.to(torch.bfloat16)[None]
@@ -238,7 +240,7 @@ def cpr_qwen35_table(cfg, log=print, T=8192, hv=32, d=128) -> list[dict]:
             o = chunk_gated_delta_rule(*ins[:3], g=ins[3], beta=ins[4], cu_seqlens=cu)[0]
             return torch.autograd.grad(o, ins, do_bf)
 
-    passes = {"forward": fwd, "forward+backward": {"fla_chunk": fla_fwd_bwd, "cpr": cpr_fwd_bwd}}
+    passes = {"forward": fwd, "forward+backward": {"fla_chunk": fla_fwd_bwd, "cpr_trainer": cpr_fwd_bwd}}
     rows = []
     for name, fns in passes.items():
         got = {}
