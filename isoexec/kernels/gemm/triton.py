@@ -27,8 +27,9 @@ reduces an aligned subtree of leaves in registers (a binary counter: the node fi
 kept at level ``l`` while bit ``l`` of j is 0, and added to its left sibling when it is 1) and leaves
 the levels above its subtree to :func:`tree_combine` (one leaf per program for few rows,
 ``kernels.triton.pik_split_rows``; at most ``kernels.triton.pik_program_leaves`` otherwise, or the bucket's of
-``kernels.triton.pik_bfloat16_by_leaf_k`` by leaf width and rows, with its loop and tiles), and a launch of two
-subtrees per tile may add them in the leaf kernel itself (the bucket's ``top``); every launch adds the same fp32
+``kernels.triton.pik_bfloat16_by_leaf_k`` by leaf width and rows, with its loop, tiles and loads: pointer or
+TMA), and a launch of two subtrees per tile may add them in the leaf kernel itself (the bucket's ``top``); every
+launch adds the same fp32
 numbers in the same order, so none changes bits. A TP rank holding K/tp
 features reduces its subtree of G/tp leaves with the same code, hence every TP dividing G gives the
 same bits.
@@ -229,8 +230,8 @@ def _leaf_gemm_kernel(x_ptr, w_ptr, y_ptr, part_ptr, flag_ptr, M, N, stride_xm, 
         for t in range(0, LPP * kpl):
             j = t // kpl
             it = t - j * kpl
-            a, b = _leaf_step(x_ptr, w_ptr, x_desc, w_desc, rows64, cols64, rmask, cmask, stride_xm, stride_wn, r0, w_row,
-                              k_base + j * LEAF_K, it, LEAF_K, BK, TMA)
+            a, b = _leaf_step(x_ptr, w_ptr, x_desc, w_desc, rows64, cols64, rmask, cmask, stride_xm, stride_wn, r0,
+                              w_row, k_base + j * LEAF_K, it, LEAF_K, BK, TMA)
             acc = tl.dot(a, b, acc, input_precision=PREC)
             if it == kpl - 1:
                 s0, s1, s2 = _tree_climb(j, acc, s0, s1, s2, LPP)
@@ -241,10 +242,10 @@ def _leaf_gemm_kernel(x_ptr, w_ptr, y_ptr, part_ptr, flag_ptr, M, N, stride_xm, 
             acc2 = tl.zeros((BM, BN), dtype=tl.float32)
             for it in range(0, kpl):
                 k_leaf = k_base + 2 * p * LEAF_K
-                a, b = _leaf_step(x_ptr, w_ptr, x_desc, w_desc, rows64, cols64, rmask, cmask, stride_xm, stride_wn, r0,
-                                  w_row, k_leaf, it, LEAF_K, BK, TMA)
-                a2, b2 = _leaf_step(x_ptr, w_ptr, x_desc, w_desc, rows64, cols64, rmask, cmask, stride_xm, stride_wn, r0,
-                                    w_row, k_leaf + LEAF_K, it, LEAF_K, BK, TMA)
+                a, b = _leaf_step(x_ptr, w_ptr, x_desc, w_desc, rows64, cols64, rmask, cmask, stride_xm, stride_wn,
+                                  r0, w_row, k_leaf, it, LEAF_K, BK, TMA)
+                a2, b2 = _leaf_step(x_ptr, w_ptr, x_desc, w_desc, rows64, cols64, rmask, cmask, stride_xm, stride_wn,
+                                    r0, w_row, k_leaf + LEAF_K, it, LEAF_K, BK, TMA)
                 acc = tl.dot(a, b, acc, input_precision=PREC)
                 acc2 = tl.dot(a2, b2, acc2, input_precision=PREC)
             # leaf 2p's partial is the pending level-0 node when leaf 2p + 1 climbs (what climbing 2p would leave)
@@ -256,8 +257,8 @@ def _leaf_gemm_kernel(x_ptr, w_ptr, y_ptr, part_ptr, flag_ptr, M, N, stride_xm, 
             p = t // kpl
             it = t - p * kpl
             k_leaf = k_base + 2 * p * LEAF_K
-            a, b = _leaf_step(x_ptr, w_ptr, x_desc, w_desc, rows64, cols64, rmask, cmask, stride_xm, stride_wn, r0, w_row,
-                              k_leaf, it, LEAF_K, BK, TMA)
+            a, b = _leaf_step(x_ptr, w_ptr, x_desc, w_desc, rows64, cols64, rmask, cmask, stride_xm, stride_wn, r0,
+                              w_row, k_leaf, it, LEAF_K, BK, TMA)
             a2, b2 = _leaf_step(x_ptr, w_ptr, x_desc, w_desc, rows64, cols64, rmask, cmask, stride_xm, stride_wn, r0,
                                 w_row, k_leaf + LEAF_K, it, LEAF_K, BK, TMA)
             acc = tl.dot(a, b, acc, input_precision=PREC)
@@ -270,8 +271,8 @@ def _leaf_gemm_kernel(x_ptr, w_ptr, y_ptr, part_ptr, flag_ptr, M, N, stride_xm, 
         for j in tl.static_range(LPP):  # leaves unrolled: each leaf is one plain (pipelined) K loop
             acc = tl.zeros((BM, BN), dtype=tl.float32)
             for it in range(0, kpl):
-                a, b = _leaf_step(x_ptr, w_ptr, x_desc, w_desc, rows64, cols64, rmask, cmask, stride_xm, stride_wn, r0,
-                                  w_row, k_base + j * LEAF_K, it, LEAF_K, BK, TMA)
+                a, b = _leaf_step(x_ptr, w_ptr, x_desc, w_desc, rows64, cols64, rmask, cmask, stride_xm, stride_wn,
+                                  r0, w_row, k_base + j * LEAF_K, it, LEAF_K, BK, TMA)
                 acc = tl.dot(a, b, acc, input_precision=PREC)
             s0, s1, s2 = _tree_climb(j, acc, s0, s1, s2, LPP)
     if TOP:
