@@ -71,7 +71,7 @@ class LeafKBucket(_Section):
         None, description="None: launches of more than pik_split_rows rows (the in-register tree); a number: dense "
         "launches of at most that many rows, whatever pik_split_rows says (decode; grouped expert launches keep "
         "pik_split_rows' choice)")
-    loop: Literal["flat", "paired", "flat_paired"]
+    loop: Literal["flat", "paired", "flat_paired", "gluon_pipelined"]
     tiles: tuple[PositiveInt, PositiveInt, PositiveInt, PositiveInt, PositiveInt] = Field(
         description="BM, BN, BK, num_warps, num_stages; BK must be pik_gemm_bfloat16's")
     program_leaves: PositiveInt = Field(description="a power of two; 1 is the split launch (one leaf per program)")
@@ -119,10 +119,12 @@ class TritonSection(_Section):
         "power of two); fewer than G leaves per program keep fewer fp32 tile accumulators live (the pending tree "
         "nodes) and add the levels above in a second kernel through an fp32 buffer. Same additions in the same "
         "order (not bit-relevant, so not in the contract)")
-    pik_loop: Literal["flat", "paired", "flat_paired"] = Field(
+    pik_loop: Literal["flat", "paired", "flat_paired", "gluon_pipelined"] = Field(
         "flat", description="leaf GEMM programs of several leaves: one K loop over all the leaves, two leaves at a "
-        "time (two tensor-core chains in flight, the tree climbed after each pair), or one K loop over the pairs' "
-        "steps with two chains (flat_paired; isoexec/kernels/gemm/triton.py). "
+        "time (two tensor-core chains in flight, the tree climbed after each pair), one K loop over the pairs' "
+        "steps with two chains (flat_paired; isoexec/kernels/gemm/triton.py), or the Gluon program that climbs a "
+        "leaf while the next leaf's first tensor-core step runs (gluon_pipelined, dense bf16/fp16 TMA launches; the "
+        "paired loop with TMA loads for the others; isoexec/kernels/gemm/gluon_leaf.py). "
         "Same additions in the same order (not bit-relevant, so not in the contract)")
     pik_bfloat16_by_leaf_k: tuple[LeafKBucket, ...] = Field(
         (), description="bf16/fp16 leaf GEMM launches by leaf width (K / leaves; the same at every TP) and rows: the "

@@ -78,7 +78,7 @@ def test_gemm_row_buckets_give_the_bits_of_the_pinned_tiles_and_another_order_do
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("k", [512, 2048])  # bf16 leaves of one 64-wide K step (512) and of four (2048)
 @pytest.mark.parametrize("program_leaves", [8, 2])
-@pytest.mark.parametrize("loop", ["flat", "paired", "flat_paired"])
+@pytest.mark.parametrize("loop", ["flat", "paired", "flat_paired", "gluon_pipelined"])
 def test_leaf_gemm_bitwise_across_tp_subtrees_and_launches(dtype, k, program_leaves, loop):
     """pik at TP 1, 2, 4, 8 on one GPU: each rank's leaf subtree from its K shard, the rank partials
     added by the same tree, equal the TP=1 leaf GEMM; every launch (one leaf per program, all eight, or
@@ -102,7 +102,8 @@ def test_leaf_gemm_bitwise_across_tp_subtrees_and_launches(dtype, k, program_lea
 
 
 @pytest.mark.parametrize("top,loop,load", [("combine", "paired", "pointer"), ("in_kernel", "paired", "pointer"),
-                                           ("in_kernel", "paired", "tma"), ("in_kernel", "flat_paired", "tma")])
+                                           ("in_kernel", "paired", "tma"), ("in_kernel", "flat_paired", "tma"),
+                                           ("in_kernel", "gluon_pipelined", "tma")])
 def test_leaf_k_buckets_give_the_bits_of_the_pinned_program_and_another_tree_does_not(top, loop, load):
     """Launches whose leaf width (and, for decode, rows) falls in a ``pik_bfloat16_by_leaf_k`` bucket (other loop,
     tiles, loads, leaves per program, and the two subtrees of a tile added in tree_combine or in the leaf kernel, ``top``) give
@@ -143,10 +144,11 @@ def test_leaf_k_buckets_give_the_bits_of_the_pinned_program_and_another_tree_doe
     assert not torch.equal(F.linear(x, w), ref)
 
 
-@pytest.mark.parametrize("load", ["pointer", "tma"])
-def test_leaf_top_in_kernel_over_many_waves_gives_the_pinned_bits(load):
+@pytest.mark.parametrize("loop,load", [("paired", "pointer"), ("paired", "tma"), ("gluon_pipelined", "tma")])
+def test_leaf_top_in_kernel_over_many_waves_gives_the_pinned_bits(loop, load):
     """``top: in_kernel`` at a trainer shape (10240 rows: 1,280 tiles of 128x128, two programs each, ten waves on an
-    H100/H200), three times, dense and grouped, pointer and TMA loads: each tile's second program waits for its first
+    H100/H200), three times, dense and grouped, pointer and TMA loads and the Gluon program: each tile's second program
+    waits for its first
     across waves (grid dispatch in increasing order), and the rows equal the pinned program's; four leaves differ
     (negative control)."""
     from isoexec.config import LeafKBucket
@@ -154,7 +156,7 @@ def test_leaf_top_in_kernel_over_many_waves_gives_the_pinned_bits(load):
 
     pinned = CFG.model_copy(update={"pik_gemm_bfloat16": (64, 64, 64, 4, 4), "pik_loop": "flat", "pik_program_leaves": 8})
     top = pinned.model_copy(update={"pik_bfloat16_by_leaf_k": (
-        LeafKBucket(max_leaf_k=512, loop="paired", tiles=(128, 128, 64, 8, 3), program_leaves=4, top="in_kernel",
+        LeafKBucket(max_leaf_k=512, loop=loop, tiles=(128, 128, 64, 8, 3), program_leaves=4, top="in_kernel",
                     load=load),)})
     x = torch.randn(10240, 4096, device=DEV, dtype=torch.bfloat16)
     w = torch.randn(2048, 4096, device=DEV, dtype=torch.bfloat16) * 0.02

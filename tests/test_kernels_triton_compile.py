@@ -81,6 +81,28 @@ def test_leaf_gemm_tma_loads_replace_the_pointer_loads_for_sm90(tma):
     assert (r["tma_loads"] > 0, r["async_loads"] > 0, r["spill_store_bytes"]) == (tma, not tma, 0), r
 
 
+@pytest.mark.parametrize("lpp,top", [(2, False), (4, False), (4, True)])  # eight leaves spill (five fp32 tiles)
+def test_gluon_leaf_program_keeps_one_wgmma_in_flight_across_leaves_and_every_tree_addition_for_sm90(lpp, top):
+    """The Gluon leaf program (``loop: gluon_pipelined``) compiles for sm90 with one wgmma wait per K step that leaves
+    that step's group in flight (``pendings = 1``, also at each leaf's first step, where the previous leaf climbs the
+    tree) and a single full wait, for the last leaf; the tree keeps its LPP - 1 fp32 tile additions (+ 1 with the top
+    in the kernel), none folded into an accumulator. The Triton paired loop (negative control,
+    :func:`test_paired_leaf_loop_keeps_two_tensor_core_dots_in_flight_for_sm90`) waits fully once per pair."""
+    from isoexec.bench.sm90_compile import compile_sm90, gluon_leaf_launch
+    from isoexec.kernels.gemm.gluon_leaf import _leaf_gemm_gluon_kernel
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    consts = {"LEAF_K": 128, "LPP": lpp, "TOP": top, "GM": 8, "STAGES": 3, "BM": 64, "BN": 64, "BK": 64}
+    sig, cx = gluon_leaf_launch(consts, 4)
+    r = compile_sm90(_leaf_gemm_gluon_kernel, sig, cx, 4, 3)
+    waits = [int(p) for p in r["dot_waits"].split(";")]
+    assert (r["dots"], sorted(waits), r["spill_store_bytes"]) == (2 * lpp, [0] + [1] * (2 * lpp), 0), r
+    ttgir = triton.compile(GluonASTSource(fn=_leaf_gemm_gluon_kernel, signature={**sig, **{c: "constexpr" for c in cx}},
+                                          constexprs=cx), target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ttgir"]
+    assert len(re.findall(r"arith\.addf .*tensor<64x64xf32", ttgir)) == lpp - 1 + top
+
+
 @pytest.mark.parametrize("top", [False, True])
 def test_leaf_gemm_top_in_kernel_adds_the_second_subtree_once_for_sm90(top):
     """Four leaves per program, paired, two subtrees per tile: with ``TOP`` the tile's second program adds the first's

@@ -416,7 +416,7 @@ for name, dt in (("fp32", torch.float32), ("fp16", torch.float16)):
     for K in (256, 1024):  # leaves of 32 features (one partial K step) and of 128 (two or four steps)
         x, w = torch.randn(37, K).to(dt), torch.randn(48, K).to(dt)
         out = {}
-        for loop in ("flat", "paired", "flat_paired"):
+        for loop in ("flat", "paired", "flat_paired", "gluon_pipelined"):  # gluon: the paired fallback off CUDA
             for lpp in (8, 4, 2):
                 cfg = TritonSection(pik_loop=loop, pik_program_leaves=lpp)
                 out[f"{loop}{lpp}"] = linear_leaves(x, w, cfg, 8, torch.float32, split=False)

@@ -6,7 +6,8 @@ what limits each loop shape and tile choice before it is timed.
 (the in-chunk output program of :mod:`isoexec.kernels.gdn.triton_chunkwise` at Dv blocks 32-128 and 4 or 8 warps, after
 today's token scan ``_scan`` at ``experiments/h200.yaml``'s launch for reference, at the Qwen3.5 GDN head: Dk = Dv = 128)
 
-Each candidate (``pik_loop``, tiles BM x BN x BK, warps, stages, leaves per program) is compiled by Triton for sm90
+Each candidate (``pik_loop``, tiles BM x BN x BK, warps, stages, leaves per program; the Gluon program of
+:mod:`isoexec.kernels.gemm.gluon_leaf` last) is compiled by Triton for sm90
 as its JIT specializes a launch at the model's shapes (16-byte aligned pointers; the integer arguments it specializes
 multiples of 16), and its PTX assembled by the ptxas that Triton bundles (``-arch=sm_90a -v``). One CSV row per candidate, after two rows of the column GEMM's program (``loop``
 ``column``) for reference:
@@ -51,10 +52,10 @@ REGISTERS_PER_SM, SHARED_PER_SM = 65536, 232448
 
 
 def compile_sm90(fn, signature: dict[str, str], constexprs: dict, num_warps: int, num_stages: int) -> dict:
-    """Compile the Triton kernel ``fn`` for sm90 without a GPU and read its resources.
+    """Compile the Triton or Gluon kernel ``fn`` for sm90 without a GPU and read its resources.
 
     Args:
-        fn: a ``triton.jit`` function. signature: its run-time arguments' Triton types (``"*bf16"``, ``"i32"``).
+        fn: a ``triton.jit`` or ``gluon.jit`` function. signature: its run-time arguments' Triton types (``"*bf16"``, ``"i32"``).
         constexprs: its compile-time arguments. num_warps, num_stages: the launch's.
 
     Returns:
@@ -72,8 +73,11 @@ def compile_sm90(fn, signature: dict[str, str], constexprs: dict, num_warps: int
     skip = {p.name for p in fn.params if p.do_not_specialize}
     attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]]
              for a, t in signature.items() if t.startswith("*") or (t == "i32" and a not in skip)}
-    src = triton.compiler.ASTSource(fn=fn, signature={**signature, **{c: "constexpr" for c in constexprs}},
-                                    constexprs=constexprs, attrs=attrs)
+    source = triton.compiler.ASTSource
+    if fn.is_gluon():  # a Gluon kernel's module carries its warps from the start (triton.experimental.gluon)
+        from triton.experimental.gluon._runtime import GluonASTSource as source
+    src = source(fn=fn, signature={**signature, **{c: "constexpr" for c in constexprs}}, constexprs=constexprs,
+                 attrs=attrs)
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": num_stages})
     with tempfile.TemporaryDirectory() as tmp:
         ptx = Path(tmp) / "k.ptx"
@@ -148,6 +152,44 @@ def leaf_rows(leaf_k: int = 512) -> list[dict]:
     return rows
 
 
+def gluon_leaf_launch(consts: dict, num_warps: int) -> tuple[dict, dict]:
+    """(signature, constexprs) of :func:`isoexec.kernels.gemm.gluon_leaf._leaf_gemm_gluon_kernel` with ``consts``
+    (LEAF_K, LPP, TOP, GM, STAGES and the tiles BM, BN, BK) at ``num_warps``: bf16 host TMA descriptors of the tiles,
+    as the JIT mangles them."""
+    import torch
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton.runtime.jit import mangle_type
+
+    def desc(block):
+        t = torch.empty(256, 4096, dtype=torch.bfloat16)
+        return mangle_type(TensorDescriptor(t, list(t.shape), list(t.stride()), block,
+                                            gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)))
+
+    c = dict(consts)
+    bm, bn, bk = c.pop("BM"), c.pop("BN"), c.pop("BK")
+    sig = {"x_desc": desc([bm, bk]), "w_desc": desc([bn, bk]), "y_ptr": "*bf16", "part_ptr": "*fp32",
+           "flag_ptr": "*i32", "M": "i32", "N": "i32", "stride_ym": "i32", "stride_ys": "i32", "kpl": "i32"}
+    return sig, {**c, "num_warps": num_warps}
+
+
+def gluon_rows(leaf_k: int = 512) -> list[dict]:
+    """The Gluon leaf program (``loop`` ``gluon_pipelined``) compiled by :func:`compile_sm90` at the tiles of its
+    variants candidates: four leaves per program with the top in the kernel, and two leaves per program at 128x128
+    (four tiles of fp32 live at four leaves: 128x128 spills)."""
+    from isoexec.kernels.gemm.gluon_leaf import _leaf_gemm_gluon_kernel
+
+    rows = []
+    for (bm, bn, bk, nw, ns), lpp, top in (((128, 64, 64, 8, 4), 4, True), ((128, 64, 64, 8, 3), 4, True),
+                                          ((64, 64, 64, 4, 4), 4, True), ((64, 64, 64, 4, 3), 4, True),
+                                          ((128, 128, 64, 8, 4), 2, False), ((128, 128, 64, 8, 3), 4, True)):
+        consts = {"LEAF_K": leaf_k, "LPP": lpp, "TOP": top, "GM": 8, "STAGES": ns, "BM": bm, "BN": bn, "BK": bk}
+        rows.append({"loop": "gluon_pipelined", "tiles": f"{bm}x{bn}x{bk}", "num_warps": nw, "num_stages": ns,
+                     "leaves_per_program": lpp, "leaf_k": leaf_k, "top": "in_kernel" if top else "combine",
+                     "load": "tma", **compile_sm90(_leaf_gemm_gluon_kernel, *gluon_leaf_launch(consts, nw), nw, ns)})
+    return rows
+
+
 CHUNKWISE_SIGNATURE = {"q_ptr": "*fp32", "k_ptr": "*fp32", "g_ptr": "*fp32", "w_ptr": "*fp32", "u_ptr": "*fp32",
                        "e_ptr": "*fp32", "o_ptr": "*fp32", "meta_ptr": "*i32", "H": "i32", "scale": "fp32"}
 SCAN_SIGNATURE = {"q_ptr": "*fp32", "k_ptr": "*fp32", "v_ptr": "*fp32", "g_ptr": "*fp32", "b_ptr": "*fp32",
@@ -192,7 +234,7 @@ def main(argv: list[str] | None = None) -> None:
     if out.is_dir():
         p.error(f"--out {out}: a folder; give the CSV's path (e.g. {out / 'compile.csv'})")
     out.parent.mkdir(parents=True, exist_ok=True)
-    write_csv(out, column_rows() + leaf_rows() if a.kernels == "leaf" else chunkwise_rows())
+    write_csv(out, column_rows() + leaf_rows() + gluon_rows() if a.kernels == "leaf" else chunkwise_rows())
     from triton.backends.nvidia.compiler import get_ptxas_version
 
     prov = {**provenance(), "triton_imported": triton.__version__, "triton_path": triton.__file__,

@@ -149,6 +149,11 @@ def _variants_leaf(leaf_shapes, data, timed, tc0, G, rec):
               ("flat_paired", (128, 64, 64, 8, 3), 8, "combine", "tma"), ("flat_paired", (128, 64, 64, 8, 3), 4, "in_kernel", "tma"),
               ("flat_paired", (64, 64, 64, 4, 4), 8, "combine", "tma"), ("flat_paired", (64, 64, 64, 4, 3), 4, "in_kernel", "tma"),
               ("flat_paired", (128, 64, 64, 8, 3), 8, "combine", "pointer")]
+    # the Gluon program (isoexec/kernels/gemm/gluon_leaf.py: a leaf climbs the tree while the next leaf's first wgmma
+    # runs); four fp32 tiles live at four leaves per program, so 128x128 only at two (sm90_compile/)
+    cands += [("gluon_pipelined", t, lpp, top, "tma") for t, lpp, top in (
+        ((128, 64, 64, 8, 4), 4, "in_kernel"), ((128, 64, 64, 8, 3), 4, "in_kernel"), ((64, 64, 64, 4, 4), 4, "in_kernel"),
+        ((64, 64, 64, 4, 3), 4, "in_kernel"), ((128, 64, 64, 8, 4), 4, "combine"), ((128, 128, 64, 8, 4), 2, "combine"))]
     # first the config's own launch constants (its pik_bfloat16_by_leaf_k buckets included), then each candidate alone
     for loop, tiles, lpp, top, load in [(None, None, None, None, None), *cands]:
         if loop is None:

@@ -603,7 +603,8 @@ def _launch_leaves(x, w, y, counts, cfg, leaf_k: int, lpp: int, n_sub: int, loop
                    load: str = "pointer"):
     """One leaf-GEMM launch: programs (tile, subtree) over ``n_sub`` subtrees of ``lpp`` leaves, with ``loop``,
     ``tiles`` and ``load`` of :func:`leaf_program_for` (``"tma"``: pointer loads where :func:`_tma_descriptors` gives
-    none); y is ``[n_sub, R, N]`` (or ``[R, N]`` when n_sub == 1 or ``top``: the two subtrees added in the kernel,
+    none; loop ``"gluon_pipelined"``: :func:`isoexec.kernels.gemm.gluon_leaf.launch` where it applies, else the paired
+    loop, with TMA loads for bf16 / fp16); y is ``[n_sub, R, N]`` (or ``[R, N]`` when n_sub == 1 or ``top``: the two subtrees added in the kernel,
     n_sub == 2). ``counts``: None (w ``[N, K]``), or the ``[E]`` integer rows per expert on x's device (w
     ``[E, N, K]``), whose grid has the static T of :func:`_group_tiles`."""
     BM, BN, BK, nw, ns = tiles
@@ -611,7 +612,6 @@ def _launch_leaves(x, w, y, counts, cfg, leaf_k: int, lpp: int, n_sub: int, loop
     N = w.shape[-2]
     kpl = triton.cdiv(leaf_k, BK)
     loop = loop if lpp > 1 else "unrolled"
-    descs = _tma_descriptors(x, w, leaf_k, BM, BN, BK) if load == "tma" else None
     if counts is None:
         n_t, meta, stride_w, stride_we = 0, (x, x, x), w.stride(0), 0
         n_tiles = triton.cdiv(R, BM) * triton.cdiv(N, BN)
@@ -625,6 +625,13 @@ def _launch_leaves(x, w, y, counts, cfg, leaf_k: int, lpp: int, n_sub: int, loop
         grid = (2 * n_tiles,)
     else:
         part, flag, grid = x, x, (n_tiles, n_sub)
+    if loop == "gluon_pipelined":  # dense bf16 / fp16 TMA launches; else the paired loop (same bits)
+        from isoexec.kernels.gemm import gluon_leaf
+
+        if counts is None and gluon_leaf.launch(x, w, y, part, flag, leaf_k, lpp, grid, top, tiles, cfg.gemm_group_m):
+            return
+        loop, load = "paired", "tma" if x.dtype in (torch.bfloat16, torch.float16) else "pointer"
+    descs = _tma_descriptors(x, w, leaf_k, BM, BN, BK) if load == "tma" else None
     _leaf_gemm_kernel[grid](x, w, y, part, flag, R, N, x.stride(0), stride_w, N, stride_we, R * N, meta[0], meta[1],
                             meta[2], n_t, kpl, *(descs or (None, None)), LEAF_K=leaf_k, LPP=lpp, LOOP=loop,
                             GROUPED=counts is not None, TOP=top, BM=BM, BN=BN, BK=BK, GM=cfg.gemm_group_m,
