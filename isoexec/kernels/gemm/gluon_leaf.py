@@ -15,6 +15,10 @@ order in fp32 on the tensor cores from zero, and the leaves climb the same adjac
 over the program's LPP leaves, unrolled: LPP is a compile-time constant). BM, BN, warps and stages move no bit;
 BK and the tree do (BK is ``pik_gemm_bfloat16``'s, as for every bucket).
 
+A Gluon kernel cannot call the Triton kernel's ``triton.jit`` helpers (Triton 3.6: their layouts have no warp count
+in a Gluon module), so the program-to-tile mapping, the swizzle, the tree's binary counter and the in-kernel top are
+written again here, in Gluon, with the same arithmetic.
+
 Scope: bf16 / fp16 dense launches whose leaf width is a multiple of BK, with 16-byte aligned rows (the TMA rules);
 the caller (:func:`isoexec.kernels.gemm.triton._launch_leaves`) runs the Triton ``paired`` loop at the same tiles
 for anything else (grouped expert launches, other widths, fp32). Source of the pipelining pattern: the Gluon
