@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Literal
+from typing import Literal, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, ValidationError, model_validator
@@ -123,8 +123,9 @@ class TritonSection(_Section):
         "flat", description="leaf GEMM programs of several leaves: one K loop over all the leaves, two leaves at a "
         "time (two tensor-core chains in flight, the tree climbed after each pair), one K loop over the pairs' "
         "steps with two chains (flat_paired; isoexec/kernels/gemm/triton.py), or the Gluon program that climbs a "
-        "leaf while the next leaf's first tensor-core step runs (gluon_pipelined, dense bf16/fp16 TMA launches; the "
-        "paired loop with TMA loads for the others; isoexec/kernels/gemm/gluon_leaf.py). "
+        "leaf while the next leaf's first tensor-core step runs (gluon_pipelined: dense bf16/fp16 launches on "
+        "Hopper that TMA can read, with BM >= 64, 4 or 8 warps, 2 or more stages; the paired loop for the others, "
+        "with TMA loads for bf16/fp16; isoexec/kernels/gemm/gluon_leaf.py). "
         "Same additions in the same order (not bit-relevant, so not in the contract)")
     pik_bfloat16_by_leaf_k: tuple[LeafKBucket, ...] = Field(
         (), description="bf16/fp16 leaf GEMM launches by leaf width (K / leaves; the same at every TP) and rows: the "
@@ -183,6 +184,14 @@ class TritonSection(_Section):
         if by_rows != sorted(set(by_rows)):
             raise ValueError(f"kernels.triton.pik_bfloat16_by_leaf_k: (max_rows, max_leaf_k) {by_rows} of the buckets "
                              "with max_rows must be strictly ascending")
+        gluon = [(f"pik_bfloat16_by_leaf_k[{i}]", b.tiles, b.load) for i, b in enumerate(self.pik_bfloat16_by_leaf_k)
+                 if b.loop == "gluon_pipelined"]
+        gluon += [("pik_gemm_bfloat16", self.pik_gemm_bfloat16, "tma")] * (self.pik_loop == "gluon_pipelined")
+        for name, (bm, _, _, nw, ns), load in gluon:  # the wgmma and TMA ring of isoexec/kernels/gemm/gluon_leaf.py
+            if nw not in (4, 8) or bm < 64 or ns < 2 or load != "tma":
+                raise ValueError(f"kernels.triton.{name}: loop gluon_pipelined with BM={bm}, num_warps={nw}, "
+                                 f"num_stages={ns}, load={load}; allowed: BM >= 64, num_warps 4 or 8, num_stages >= 2 "
+                                 "and load tma (a warp group's wgmma covers 64 rows; the program reads by TMA)")
         bk = [(i, b.tiles[2]) for i, b in enumerate(self.pik_bfloat16_by_leaf_k) if b.tiles[2] != self.pik_gemm_bfloat16[2]]
         if bk:
             raise ValueError(f"kernels.triton.pik_bfloat16_by_leaf_k[{bk[0][0]}].tiles BK={bk[0][1]} differs from "
@@ -680,14 +689,23 @@ def load_config(path: str | Path) -> ExperimentConfig:
 
 
 def _section_fields(loc: tuple) -> list[str]:
-    """Field names of the config section at ``loc`` (e.g. ``("engine",)``); empty if it is not a section."""
+    """Field names of the config section at ``loc`` (e.g. ``("engine",)``, or ``("kernels", "triton",
+    "pik_bfloat16_by_leaf_k", 1)`` for an item of a tuple of sections); empty if it is not a section."""
     model: type[BaseModel] = ExperimentConfig
+    item = False  # the previous part was a tuple of sections: this part is an index into it
     for part in loc:
-        ann = model.model_fields[part].annotation if part in model.model_fields else None
+        if item and isinstance(part, int):
+            item = False
+            continue
+        ann = model.model_fields[part].annotation if isinstance(part, str) and part in model.model_fields else None
+        args = get_args(ann)
+        if get_origin(ann) is tuple and args and isinstance(args[0], type) and issubclass(args[0], BaseModel):
+            model, item = args[0], True
+            continue
         if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
             return []
         model = ann
-    return list(model.model_fields)
+    return [] if item else list(model.model_fields)
 
 
 def validation_summary(e: ValidationError) -> str:
@@ -696,7 +714,9 @@ def validation_summary(e: ValidationError) -> str:
     for err in e.errors(include_url=False):
         # a union's members appear as extra location parts (``literal['hf',...]``): one key, its messages joined
         key = ".".join(str(p) for p in err["loc"] if not (isinstance(p, str) and "[" in p))
-        given = f"={err['input']!r}" if key and err["type"] not in ("missing", "model_type", "dict_type") else ""
+        # a section's own check (a model validator) names its keys in its message: the section's input is not shown
+        given = (f"={err['input']!r}" if key and err["type"] not in ("missing", "model_type", "dict_type")
+                 and not isinstance(err["input"], dict) else "")
         msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
             allowed = _section_fields(err["loc"][:-1])

@@ -325,3 +325,28 @@ def test_the_load_handshake_names_what_differs_and_digests_both_sides():
     other = state_checksums(dict(state, **{"b.weight": state["b.weight"] * 2}))
     with pytest.raises(WeightSyncError, match=r"1 tensors differ between the engine and the trainer at load .*\['b.weight'\]"):
         check_weights_at_load(sums, other)
+
+
+def test_plugin_refuses_bad_hf_overrides_kernels_in_one_line_naming_the_key():
+    """The vLLM plugin's model reads ``hf_overrides={"isoexec_kernels": ...}``: a bad value there is one line naming the
+    key and what is allowed (as a config file's), not pydantic's multi-line report; a good section passes that check
+    (negative control: the model then fails later, on the missing checkpoint, not on the kernels)."""
+    from types import SimpleNamespace
+
+    pytest.importorskip("vllm")
+    from isoexec.engines.vllm_plugin import IsoExecForCausalLM
+
+    def config(kernels):
+        return SimpleNamespace(model_config=SimpleNamespace(hf_config=SimpleNamespace(isoexec_kernels=kernels),
+                                                            model="/nonexistent-checkpoint"))
+
+    bad = {"triton": {"pik_bfloat16_by_leaf_k": [{"max_leaf_k": 64, "loop": "paired", "tiles": [64, 64, 64, 4, 3],
+                                                  "program_leaves": 8, "load": "cp_async"}]}}
+    with pytest.raises(ValueError) as e:
+        IsoExecForCausalLM(vllm_config=config(bad))
+    assert "\n" not in str(e.value) and re.search(
+        r"^hf_overrides isoexec_kernels: triton\.pik_bfloat16_by_leaf_k\.0\.load='cp_async': .*'pointer' or 'tma'",
+        str(e.value)), str(e.value)
+    with pytest.raises(Exception) as ok:
+        IsoExecForCausalLM(vllm_config=config({"leaves": 8}))
+    assert "isoexec_kernels" not in str(ok.value)

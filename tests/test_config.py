@@ -41,6 +41,12 @@ def test_shipped_experiments_load(name):
         ("device: cuda\nkernels: {kv_block: 8}", "kernels.kv_block=8"),
         ("kernels: {triton: {gdn_scan_bv: 12}}", "gdn_scan_bv=12"),
         ("kernels: {triton: {gemm_bfloat16: [128, 96, 64, 8, 3]}}", "gemm_bfloat16 tile 96"),
+        # a typo inside a bucket names the bucket's keys; a section's own check names its key, not the whole section
+        ("kernels: {triton: {pik_bfloat16_by_leaf_k: [{max_leaf_k: 64, loop: paired, tiles: [64, 64, 64, 4, 3], "
+         "program_leaves: 8, loads: tma}]}}",
+         "kernels.triton.pik_bfloat16_by_leaf_k.0.loads='tma': unknown key; allowed: max_leaf_k, max_rows, loop, tiles"),
+        ("kernels: {triton: {pik_loop: gluon_pipelined, pik_gemm_bfloat16: [32, 64, 64, 4, 3]}}",
+         "kernels.triton: kernels.triton.pik_gemm_bfloat16: loop gluon_pipelined with BM=32"),
         ("trainer: {backend: hf}", "cannot run mode isoexec"),
         ("trainer: {backend: {native: hf}}", "no entry for mode 'isoexec'"),
         ("trainer: {backend: megatronn}", "backend"),
@@ -174,6 +180,14 @@ def test_leaf_buckets_pick_by_leaf_width_and_rows_and_are_checked():
         TritonSection(pik_bfloat16_by_leaf_k=[{**b64, "top": "tree_combine"}])
     with pytest.raises(ValidationError, match=r"load"):
         TritonSection(pik_bfloat16_by_leaf_k=[{**b64, "load": "cp_async"}])
+    # the Gluon program: whole warp groups of 64 rows, a TMA ring; the same bucket with allowed values passes
+    gl = {**b64, "loop": "gluon_pipelined", "load": "tma", "program_leaves": 4}
+    TritonSection(pik_gemm_bfloat16=(64, 64, 64, 4, 4), pik_bfloat16_by_leaf_k=[gl])
+    for bad in ({"tiles": (64, 64, 64, 2, 4)}, {"tiles": (32, 64, 64, 4, 4)}, {"tiles": (64, 64, 64, 4, 1)}, {"load": "pointer"}):
+        with pytest.raises(ValidationError, match=r"pik_bfloat16_by_leaf_k\[0\]: loop gluon_pipelined with .*allowed: BM >= 64"):
+            TritonSection(pik_gemm_bfloat16=(64, 64, 64, 4, 4), pik_bfloat16_by_leaf_k=[{**gl, **bad}])
+    with pytest.raises(ValidationError, match=r"pik_gemm_bfloat16: loop gluon_pipelined with BM=32"):
+        TritonSection(pik_gemm_bfloat16=(32, 64, 64, 4, 4), pik_loop="gluon_pipelined")
 
 
 def test_triton_section_refuses_the_cpr_backward_launch_that_faults_on_the_h200():

@@ -55,8 +55,8 @@ def test_the_cache_keeps_at_most_its_bound_and_drops_the_least_recently_used():
 
 def test_a_miss_during_a_capture_is_refused_in_one_line_and_copies_nothing(monkeypatch):
     _capturing(monkeypatch, True)
-    one_line = (r"^CPR metadata for these sequence lengths \(3 torch.int32 entries on cuda\) must be built by a call "
-                r"before capture: [^\n]*$")
+    one_line = (r"^CPR launch metadata \(3 torch.int32 entries on cuda: sequence lengths, state slots\) not built by a "
+                r"call before capture: [^\n]*$")
     with pytest.raises(RuntimeError, match=one_line):
         t_gdn.device_meta([1, 2, 3], torch.int32, "cuda")
     assert not t_gdn._meta_lru and not t_gdn._meta_captured

@@ -381,7 +381,7 @@ def test_cpr_forward_replays_in_a_cuda_graph_with_the_eager_bits(keep_state):
     v.copy_(torch.randn_like(v))
     graph.replay()
     assert not torch.equal(out, eager) and torch.equal(out, fwd())
-    with pytest.raises(RuntimeError, match="^CPR metadata for these sequence lengths .* must be built by a call before"):
+    with pytest.raises(RuntimeError, match="^CPR launch metadata .* not built by a call before capture"):
         with torch.cuda.graph(torch.cuda.CUDAGraph()):
             t_gdn.cpr_gdn(q, k, v, g, b, [151, 100], [None] * 2, C, CFG, keep_state=keep_state)
 

@@ -59,7 +59,7 @@ def compile_sm90(fn, signature: dict[str, str], constexprs: dict, num_warps: int
         constexprs: its compile-time arguments. num_warps, num_stages: the launch's.
 
     Returns:
-        The module docstring's columns (``registers`` ... ``async_loads``).
+        The module docstring's columns (``registers`` ... ``tma_loads``).
 
     Raises:
         RuntimeError: ptxas printed no register count (its output attached).
@@ -120,8 +120,9 @@ def column_rows() -> list[dict]:
 
 def leaf_rows(leaf_k: int = 512) -> list[dict]:
     """The bf16 leaf GEMM (leaves of ``leaf_k`` features: h200-rlstep's 4096 / 8) compiled by :func:`compile_sm90` at
-    every :data:`TILES`: the one-leaf program of the split launch (``unrolled``, 1 leaf), then the flat and paired
-    loops at 8, 4 and 2 leaves per program."""
+    every :data:`TILES`: the one-leaf program of the split launch (``unrolled``, 1 leaf), the flat and paired loops at
+    8, 4 and 2 leaves per program, the paired loop with the top in the kernel (four leaves), then with TMA loads the
+    paired and flat_paired loops at eight leaves and at four with the top in the kernel."""
     from isoexec.kernels.gemm.triton import _leaf_gemm_kernel
 
     rows = []

@@ -196,14 +196,19 @@ class IsoExecForCausalLM(nn.Module):
         super().__init__()
         from vllm.model_executor.layers.attention import Attention
 
-        from isoexec.config import KernelSection
+        from pydantic import ValidationError
+
+        from isoexec.config import KernelSection, validation_summary
 
         from .vllm_compat import model_device
 
         hf = vllm_config.model_config.hf_config
         factory = resolve(getattr(hf, "isoexec_model_factory", None) or DEFAULT_FACTORY)
         kernels = getattr(hf, "isoexec_kernels", None)
-        kernels = KernelSection(**kernels) if kernels else None
+        try:  # hf_overrides={"isoexec_kernels": ...}: one line naming the key, as a config file's error does
+            kernels = KernelSection(**kernels) if kernels else None
+        except ValidationError as e:
+            raise ValueError(f"hf_overrides isoexec_kernels: {validation_summary(e)}") from None
         path = vllm_config.model_config.model
         self.device = model_device(vllm_config)
         prev = torch.get_default_dtype()

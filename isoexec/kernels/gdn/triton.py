@@ -91,8 +91,9 @@ def device_meta(values, dtype: torch.dtype, device) -> torch.Tensor:
     t = _meta_lru.get(key)
     if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
         if t is None:
-            raise RuntimeError(f"CPR metadata for these sequence lengths ({len(values)} {dtype} entries on {dev}) must "
-                               "be built by a call before capture: run the same call once outside the CUDA graph first")
+            raise RuntimeError(f"CPR launch metadata ({len(values)} {dtype} entries on {dev}: sequence lengths, state "
+                               "slots) not built by a call before capture: run the same call once outside the CUDA "
+                               "graph first")
         _meta_captured[key] = _meta_lru.pop(key)
         return t
     if t is None:

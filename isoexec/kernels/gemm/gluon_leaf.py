@@ -39,6 +39,8 @@ _cta_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
 @gluon.constexpr_function
 def _warps_per_cta(BM, num_warps):
     """wgmma's warp grid: the [4, 1] atom doubled along M while M has rows for it (16 per warp), then along N."""
+    if num_warps not in (4, 8):  # the config refuses others (isoexec.config.TritonSection)
+        raise ValueError(f"gluon_pipelined: num_warps={num_warps}; allowed: 4 or 8 (whole warp groups)")
     w = [4, 1]
     while w[0] * w[1] != num_warps:
         if BM > 16 * w[0]:
@@ -213,8 +215,9 @@ def _leaf_gemm_gluon_kernel(x_desc, w_desc, y_ptr, part_ptr, flag_ptr, M, N, str
 
 def launch(x, w, y, part, flag, leaf_k: int, lpp: int, grid: tuple, top: bool, tiles, group_m: int) -> bool:
     """Run a dense leaf GEMM launch of :func:`isoexec.kernels.gemm.triton._launch_leaves` with this program, if it
-    applies: bf16 / fp16 on CUDA, at least two leaves per program, at least two stages, a leaf width that is a
-    multiple of BK and 16-byte aligned rows and bases (TMA). Returns False, launching nothing, otherwise.
+    applies: bf16 / fp16 on a Hopper GPU (compute capability 9.x: wgmma), at least two leaves per program, BM >= 64,
+    4 or 8 warps, at least two stages, a leaf width that is a multiple of BK and 16-byte aligned rows and bases
+    (TMA). Returns False, launching nothing, otherwise.
 
     Args:
         x: ``[R, K]``. w: ``[N, K]``. y: ``[n_sub, R, N]`` (or ``[R, N]``), fp32 planes or the output dtype.
@@ -228,6 +231,7 @@ def launch(x, w, y, part, flag, leaf_k: int, lpp: int, grid: tuple, top: bool, t
 
     BM, BN, BK, nw, ns = tiles
     if (x.dtype not in (torch.bfloat16, torch.float16) or not x.is_cuda or lpp < 2 or ns < 2 or leaf_k % BK
+            or BM < 64 or nw not in (4, 8) or torch.cuda.get_device_capability(x.device)[0] != 9
             or any(t.data_ptr() % 16 or (t.stride(0) * t.element_size()) % 16 for t in (x, w))):
         return False
     g = gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float16
