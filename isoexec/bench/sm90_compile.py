@@ -46,6 +46,8 @@ def leaf_launch(consts: dict, tma: bool = False) -> tuple[dict, dict]:
                 {**consts, "TMA": True})
     return ({**LEAF_SIGNATURE, "x_desc": "constexpr", "w_desc": "constexpr"},
             {**consts, "x_desc": None, "w_desc": None, "TMA": False})
+
+
 TILES = ((64, 64, 64, 4, 4), (64, 64, 64, 4, 3), (64, 64, 64, 4, 2), (128, 64, 64, 8, 3), (128, 64, 64, 8, 2),
          (128, 128, 64, 8, 3))
 REGISTERS_PER_SM, SHARED_PER_SM = 65536, 232448
@@ -55,7 +57,8 @@ def compile_sm90(fn, signature: dict[str, str], constexprs: dict, num_warps: int
     """Compile the Triton or Gluon kernel ``fn`` for sm90 without a GPU and read its resources.
 
     Args:
-        fn: a ``triton.jit`` or ``gluon.jit`` function. signature: its run-time arguments' Triton types (``"*bf16"``, ``"i32"``).
+        fn: a ``triton.jit`` or ``gluon.jit`` function. signature: its run-time arguments' Triton types
+            (``"*bf16"``, ``"i32"``).
         constexprs: its compile-time arguments. num_warps, num_stages: the launch's.
 
     Returns:

@@ -229,14 +229,19 @@ def launch(x, w, y, part, flag, leaf_k: int, lpp: int, grid: tuple, top: bool, t
     import torch
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+    from isoexec.kernels.gemm.triton import tma_readable
+
     BM, BN, BK, nw, ns = tiles
-    if (x.dtype not in (torch.bfloat16, torch.float16) or not x.is_cuda or lpp < 2 or ns < 2 or leaf_k % BK
-            or BM < 64 or nw not in (4, 8) or torch.cuda.get_device_capability(x.device)[0] != 9
-            or any(t.data_ptr() % 16 or (t.stride(0) * t.element_size()) % 16 for t in (x, w))):
+    if (x.dtype not in (torch.bfloat16, torch.float16) or not x.is_cuda or lpp < 2 or ns < 2 or BM < 64
+            or nw not in (4, 8) or torch.cuda.get_device_capability(x.device)[0] != 9
+            or not tma_readable(leaf_k, BK, x, w)):
         return False
     g = gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float16
-    xd = TensorDescriptor(x, list(x.shape), list(x.stride()), [BM, BK], gl.NVMMASharedLayout.get_default_for([BM, BK], g))
-    wd = TensorDescriptor(w, list(w.shape), list(w.stride()), [BN, BK], gl.NVMMASharedLayout.get_default_for([BN, BK], g))
+
+    def desc(t, block):
+        return TensorDescriptor(t, list(t.shape), list(t.stride()), block, gl.NVMMASharedLayout.get_default_for(block, g))
+
+    xd, wd = desc(x, [BM, BK]), desc(w, [BN, BK])
     R, N = x.shape[0], w.shape[0]
     _leaf_gemm_gluon_kernel[grid](xd, wd, y, part, flag, R, N, N, R * N, triton.cdiv(leaf_k, BK), LEAF_K=leaf_k,
                                   LPP=lpp, TOP=top, GM=group_m, STAGES=ns, num_warps=nw)

@@ -586,15 +586,20 @@ def tree_combine(parts: torch.Tensor, out_dtype: torch.dtype, out: torch.Tensor 
     return y
 
 
+def tma_readable(leaf_k: int, BK: int, *ts: torch.Tensor) -> bool:
+    """Whether TMA reads the leaves of the 2-D operands ``ts`` as the pointer loads do: a leaf width that is a multiple
+    of BK (else a step would read the next leaf), and rows and bases 16-byte aligned (TMA's rule). The one check of
+    the Triton and the Gluon leaf programs' TMA loads."""
+    return not leaf_k % BK and not any(t.data_ptr() % 16 or (t.stride(0) * t.element_size()) % 16 for t in ts)
+
+
 def _tma_descriptors(x, w, leaf_k: int, BM: int, BN: int, BK: int):
     """(x, weight) host TMA descriptors of the leaf GEMM's ``[BM, BK]`` and ``[BN, BK]`` tiles, over x ``[R, K]`` and
-    w ``[N, K]`` (or ``[E, N, K]`` seen as ``[E * N, K]``), or None where TMA cannot read the leaves as the pointer
-    loads do: a leaf width that is not a multiple of BK (a step would read the next leaf), or rows or bases that
-    are not 16-byte aligned (TMA's rule)."""
+    w ``[N, K]`` (or ``[E, N, K]`` seen as ``[E * N, K]``), or None where :func:`tma_readable` says no."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     w2 = w.reshape(-1, w.shape[-1]) if w.dim() == 3 else w
-    if leaf_k % BK or any(t.data_ptr() % 16 or (t.stride(0) * t.element_size()) % 16 for t in (x, w2)):
+    if not tma_readable(leaf_k, BK, x, w2):
         return None
     return TensorDescriptor.from_tensor(x, [BM, BK]), TensorDescriptor.from_tensor(w2, [BN, BK])
 
@@ -604,8 +609,8 @@ def _launch_leaves(x, w, y, counts, cfg, leaf_k: int, lpp: int, n_sub: int, loop
     """One leaf-GEMM launch: programs (tile, subtree) over ``n_sub`` subtrees of ``lpp`` leaves, with ``loop``,
     ``tiles`` and ``load`` of :func:`leaf_program_for` (``"tma"``: pointer loads where :func:`_tma_descriptors` gives
     none; loop ``"gluon_pipelined"``: :func:`isoexec.kernels.gemm.gluon_leaf.launch` where it applies, else the paired
-    loop, with TMA loads for bf16 / fp16); y is ``[n_sub, R, N]`` (or ``[R, N]`` when n_sub == 1 or ``top``: the two subtrees added in the kernel,
-    n_sub == 2). ``counts``: None (w ``[N, K]``), or the ``[E]`` integer rows per expert on x's device (w
+    loop, with TMA loads for bf16 / fp16); y is ``[n_sub, R, N]`` (or ``[R, N]`` when n_sub == 1 or ``top``: the two
+    subtrees added in the kernel, n_sub == 2). ``counts``: None (w ``[N, K]``), or the ``[E]`` integer rows per expert on x's device (w
     ``[E, N, K]``), whose grid has the static T of :func:`_group_tiles`."""
     BM, BN, BK, nw, ns = tiles
     R = x.shape[0]
