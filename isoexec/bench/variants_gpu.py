@@ -153,7 +153,12 @@ def _variants_leaf(leaf_shapes, data, timed, tc0, G, rec):
     # runs); four fp32 tiles live at four leaves per program, so 128x128 only at two (sm90_compile/)
     cands += [("gluon_pipelined", t, lpp, top, "tma") for t, lpp, top in (
         ((128, 64, 64, 8, 4), 4, "in_kernel"), ((128, 64, 64, 8, 3), 4, "in_kernel"), ((64, 64, 64, 4, 4), 4, "in_kernel"),
-        ((64, 64, 64, 4, 3), 4, "in_kernel"), ((128, 64, 64, 8, 4), 4, "combine"), ((128, 128, 64, 8, 4), 2, "combine"))]
+        ((64, 64, 64, 4, 3), 4, "in_kernel"), ((128, 64, 64, 8, 4), 4, "combine"), ((128, 128, 64, 8, 4), 2, "combine"),
+        ((128, 128, 64, 8, 3), 2, "combine"))]
+    # ISOEXEC_LEAF_LOOPS (space-separated loop names): only those loops' candidates, beside the configured launch
+    only = os.environ.get("ISOEXEC_LEAF_LOOPS", "").split()
+    if only:
+        cands = [c for c in cands if c[0] in only]
     # first the config's own launch constants (its pik_bfloat16_by_leaf_k buckets included), then each candidate alone
     for loop, tiles, lpp, top, load in [(None, None, None, None, None), *cands]:
         if loop is None:

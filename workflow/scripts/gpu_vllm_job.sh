@@ -20,7 +20,7 @@
 # three scorers loaded, results/h200-vllm/571a25e-h100, logged only the GPU's). Settings: CONFIG (experiments/h200-rlstep.yaml), GEN (the
 # generation shapes), DEADLINE (vllm_gpu's --deadline-s), RLSTEP_CONFIG and RLSTEP_ARGS (stage 3's experiment, CONFIG unless
 # set, and further rl_step options, e.g. "--new-tokens 128": h200-rlstep's trainer does not fit an H100), T_TESTS / T_VLLM / T_RLSTEP / T_LEAF (time limits, s;
-# T_LEAF=0 skips stage 4; T_CHUNKWISE; T_BENCH), STAGES (which stages, in the order given: "tests vllm rlstep leaf chunkwise";
+# T_LEAF=0 skips stage 4, ISOEXEC_LEAF_LOOPS="gluon_pipelined" limits its candidates to those loops; T_CHUNKWISE; T_BENCH), STAGES (which stages, in the order given: "tests vllm rlstep leaf chunkwise";
 # with little device time left, e.g. "vllm rlstep tests leaf"). Exit status: the last failing stage's; every stage runs whatever the
 # others did.
 set -uo pipefail
