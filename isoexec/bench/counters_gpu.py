@@ -1,0 +1,80 @@
+"""Hardware counters of the kernels issue 37 is about, read by Nsight Compute: launches each kernel once between
+``cudaProfilerStart`` / ``cudaProfilerStop`` (after a warm-up launch that compiles it), for ``ncu
+--profile-from-start off`` to profile (``workflow/scripts/gpu_counters.sh``):
+
+- the leaf GEMM at h200-rlstep's ``gdn.out_proj`` trainer shape (10240 x 4096 @ 4096 x 2048, G = 8, leaves of 512):
+  the configured launch, the Gluon program (``gluon_pipelined`` 128x128x64, 8 warps, 4 stages, two leaves per
+  program, the top in ``tree_combine``) and cuBLAS ``F.linear``; the same at h200's ``attn.out_proj`` (10240 x 1024
+  @ 1024 x 1024, leaves of 128);
+- CPR's forward at the Qwen3.5-35B-A3B GDN layer (1 x 8192, 32 heads, dims 128): ``_chunk_prep``, ``_state_chain``,
+  ``_scan``.
+
+Each launch runs in an NVTX range named after it (``ncu --print-nvtx-rename`` or the report's NVTX column).
+
+Raises:
+    ValueError: the config does not load or is not a CUDA experiment (:func:`isoexec.bench.gpu.gpu_configs`).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+
+def launches(cfg_rl, cfg_h200) -> list[tuple[str, object]]:
+    """(name, callable) of every launch to profile; each callable runs one kernel launch sequence."""
+    import torch.nn.functional as F
+
+    from isoexec.bench.cpr_gpu import gdn_inputs
+    from isoexec.config import LeafKBucket
+    from isoexec.kernels.gdn import triton as t_gdn
+    from isoexec.kernels.gemm import triton as t_gemm
+
+    out = []
+    for tag, cfg, (M, K, N) in (("rlstep gdn.out_proj", cfg_rl, (10240, 4096, 2048)),
+                                ("h200 attn.out_proj", cfg_h200, (10240, 1024, 1024))):
+        tc, G = cfg.kernels.triton, cfg.kernels.leaves
+        x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * K ** -0.5
+        every = LeafKBucket(max_leaf_k=1 << 20, loop="gluon_pipelined", tiles=(128, 128, 64, 8, 4), program_leaves=2,
+                            top="combine", load="tma")
+        gl = tc.model_copy(update={"pik_bfloat16_by_leaf_k": (every,)})
+        ref = t_gemm.linear_leaves(x, w, tc, G, split=False)
+        if not torch.equal(ref, t_gemm.linear_leaves(x, w, gl, G, split=False)):
+            raise RuntimeError(f"{tag}: the Gluon program's output differs from the configured launch's")
+        out += [(f"{tag} configured", lambda x=x, w=w, tc=tc, G=G: t_gemm.linear_leaves(x, w, tc, G, split=False)),
+                (f"{tag} gluon 128x128x64 8w4s lpp2", lambda x=x, w=w, gl=gl, G=G: t_gemm.linear_leaves(x, w, gl, G, split=False)),
+                (f"{tag} cublas", lambda x=x, w=w: F.linear(x, w))]
+    C, tc = cfg_rl.kernels.chunk_size, cfg_rl.kernels.triton
+    q, k, v, g, b = gdn_inputs(8192, 32)
+    out.append(("cpr forward 1x8192 h32", lambda: t_gdn.cpr_gdn(q, k, v, g, b, [8192], [None], C, tc, keep_state=False)))
+    return out
+
+
+def main(argv=None) -> int:
+    from isoexec.bench.gpu import gpu_configs
+
+    cfg_rl, _ = gpu_configs("experiments/h200-rlstep.yaml")
+    cfg_h200, _ = gpu_configs("experiments/h200.yaml")
+    todo = launches(cfg_rl, cfg_h200)
+    for _, fn in todo:  # compile and warm every launch outside the profiled range
+        fn()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStart()
+    for name, fn in todo:
+        torch.cuda.nvtx.range_push(name)
+        fn()
+        torch.cuda.synchronize()
+        torch.cuda.nvtx.range_pop()
+    torch.cuda.cudart().cudaProfilerStop()
+    print("counters_gpu: profiled " + "; ".join(n for n, _ in todo), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
