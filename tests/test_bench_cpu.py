@@ -92,3 +92,30 @@ def test_timed_kernel_set_times_every_region_call_and_keeps_the_bits():
     assert torch.equal(out, ref)
     assert set(totals) >= {"gdn.core", "attn.core", "moe.experts", "lm_head", "logprob"}, sorted(totals)
     assert all(t > 0 for t in totals.values())
+
+
+def test_counters_summary_reads_an_ncu_export_per_launch_in_microseconds(tmp_path):
+    """isoexec.bench.counters_gpu.summary: one row per launch, ncu's Duration in us whatever its unit, and a file that
+    is not an ncu details export refused in one line."""
+    import csv
+
+    import pytest
+
+    from isoexec.bench.counters_gpu import summary
+
+    cols = ["ID", "Kernel Name", "Metric Name", "Metric Unit", "Metric Value", "Rule Name", "Rule Description"]
+    rows = [[1, "a/_scan", "Duration", "ms", "1.48", "", ""], [1, "a/_scan", "Registers Per Thread", "register/thread", "168", "", ""],
+            [1, "a/_scan", "", "", "", "SOLBottleneck", "Compute and Memory are well-balanced: To reduce runtime, both"],
+            [2, "b/gemm", "Duration", "us", "218.08", "", ""], [2, "b/gemm", "Grid Size", "", "2,560", "", ""],
+            [2, "b/gemm", "", "", "", "SOLBottleneck", "This workload is utilizing greater than 80.0% of the device. Start"]]
+    with open(tmp_path / "x.csv", "w", newline="") as f:
+        csv.writer(f).writerows([cols, *rows])
+    got = summary(str(tmp_path / "x.csv"))
+    assert [r["launch"] for r in got] == ["a/_scan", "b/gemm"]
+    assert got[0]["duration_us"] == pytest.approx(1480.0) and got[0]["registers"] == 168.0
+    assert got[1]["duration_us"] == pytest.approx(218.08) and got[1]["grid_blocks"] == 2560.0
+    assert got[0]["bottleneck"] == "Compute and Memory are well-balanced"
+    assert got[1]["bottleneck"] == "This workload is utilizing greater than 80.0% of the device"
+    (tmp_path / "y.csv").write_text("ID,Kernel Name\n1,a\n")
+    with pytest.raises(ValueError, match=r"y.csv: not an ncu details export"):
+        summary(str(tmp_path / "y.csv"))

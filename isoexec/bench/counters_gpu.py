@@ -9,7 +9,9 @@
 - CPR's forward at the Qwen3.5-35B-A3B GDN layer (1 x 8192, 32 heads, dims 128): ``_chunk_prep``, ``_state_chain``,
   ``_scan``.
 
-Each launch runs in an NVTX range named after it (``ncu --print-nvtx-rename`` or the report's NVTX column).
+Each launch runs in an NVTX range named after it (``ncu --print-nvtx-rename kernel``).
+``python -m isoexec.bench.counters_gpu --summary counters_nvtx.csv[.gz]`` (any machine) prints the metrics that
+issue 37's READMEs quote, one row per kernel launch, as CSV (:func:`summary`).
 
 Raises:
     ValueError: the config does not load or is not a CUDA experiment (:func:`isoexec.bench.gpu.gpu_configs`).
@@ -17,6 +19,7 @@ Raises:
 
 from __future__ import annotations
 
+import re
 import sys
 
 import torch
@@ -52,7 +55,58 @@ def launches(cfg_rl, cfg_h200) -> list[tuple[str, object]]:
     return out
 
 
+SUMMARY_METRICS = (
+    ("Duration", "duration"), ("Compute (SM) Throughput", "sm_throughput_pct"),
+    ("L2 Cache Throughput", "l2_throughput_pct"), ("DRAM Throughput", "dram_throughput_pct"),
+    ("Registers Per Thread", "registers"), ("Local Memory Spilling Requests", "spill_requests"),
+    ("Block Size", "block_threads"), ("Grid Size", "grid_blocks"), ("Waves Per SM", "waves_per_sm"),
+    ("Achieved Occupancy", "achieved_occupancy_pct"), ("Issue Slots Busy", "issue_slots_busy_pct"),
+    ("Eligible Warps Per Scheduler", "eligible_warps_per_scheduler"),
+    ("Warp Cycles Per Issued Instruction", "warp_cycles_per_issued_instruction"))
+
+
+def summary(path: str) -> list[dict]:
+    """One row per kernel launch of an ``ncu --csv --page details --print-nvtx-rename kernel`` export (plain or
+    gzipped): ``launch`` (NVTX range / kernel name), the metrics of :data:`SUMMARY_METRICS` as floats, ``duration_us``
+    in microseconds whatever unit ncu printed, and ``bottleneck`` (ncu's SOLBottleneck rule, first sentence).
+
+    Raises:
+        ValueError: the file lacks the export's columns (``ID``, ``Kernel Name``, ``Metric Name``, ``Metric Value``).
+    """
+    import pandas as pd
+
+    d = pd.read_csv(path)
+    need = {"ID", "Kernel Name", "Metric Name", "Metric Unit", "Metric Value", "Rule Name", "Rule Description"}
+    if not need <= set(d.columns):
+        raise ValueError(f"{path}: not an ncu details export (columns {sorted(need - set(d.columns))} missing)")
+    rows = []
+    for (lid, name), g in d.groupby(["ID", "Kernel Name"], sort=True):
+        r = {"launch": name}
+        for metric, col in SUMMARY_METRICS:
+            m = g[g["Metric Name"] == metric]
+            if m.empty:
+                continue
+            v = float(str(m["Metric Value"].iloc[0]).replace(",", ""))
+            if metric == "Duration":
+                col, v = "duration_us", v * {"ns": 1e-3, "us": 1.0, "ms": 1e3, "s": 1e6}[m["Metric Unit"].iloc[0]]
+            r[col] = v
+        sol = g[g["Rule Name"] == "SOLBottleneck"]["Rule Description"].dropna()
+        r["bottleneck"] = re.split(r"\.\s|:\s", sol.iloc[0])[0] if not sol.empty else ""
+        rows.append(r)
+    return rows
+
+
 def main(argv=None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--summary", metavar="CSV", help="summarise an ncu export instead of launching the kernels")
+    a = p.parse_args(argv)
+    if a.summary:
+        import pandas as pd
+
+        print(pd.DataFrame(summary(a.summary)).to_csv(index=False), end="")
+        return 0
     from isoexec.bench.gpu import gpu_configs
 
     cfg_rl, _ = gpu_configs("experiments/h200-rlstep.yaml")
