@@ -76,11 +76,11 @@ class LeafKBucket(_Section):
         description="BM, BN, BK, num_warps, num_stages; BK must be pik_gemm_bfloat16's")
     program_leaves: PositiveInt = Field(description="a power of two; 1 is the split launch (one leaf per program)")
     top: Literal["combine", "in_kernel"] = Field(
-        "combine", description="a launch that leaves two subtree sums per output tile (leaves = 2 x program_leaves; "
-        "other launches ignore it) adds them in tree_combine (a second kernel reading both fp32 planes) or in the leaf "
-        "kernel itself (the tile's second program spins until the first's fp32 partial is released, relying on "
-        "CUDA dispatching a grid's blocks in increasing order, as CUTLASS's serial split-K does); the same fp32 "
-        "addition either way")
+        "combine", description="a launch that leaves two or four subtree sums per output tile (leaves = 2 or 4 x "
+        "program_leaves; other launches ignore it) adds them in tree_combine (a second kernel reading the fp32 planes) "
+        "or in the leaf kernel itself (a right node's program spins until its left sibling's fp32 partial is "
+        "released, relying on CUDA dispatching a grid's blocks in increasing order, as CUTLASS's serial split-K does); "
+        "the same fp32 additions either way")
     load: Literal["pointer", "tma"] = Field(
         "pointer", description="operand tiles by masked pointer loads, or by TMA from host tensor descriptors (where "
         "the leaf width is a multiple of BK and the operands' rows and bases are 16-byte aligned; else pointer loads): "

@@ -101,12 +101,14 @@ def test_leaf_gemm_bitwise_across_tp_subtrees_and_launches(dtype, k, program_lea
     assert _rel(full.float(), (x.double() @ w.double().T).float()) < (1e-2 if dtype == torch.bfloat16 else 1e-5)
 
 
-@pytest.mark.parametrize("top,loop,load", [("combine", "paired", "pointer"), ("in_kernel", "paired", "pointer"),
-                                           ("in_kernel", "paired", "tma"), ("in_kernel", "flat_paired", "tma"),
-                                           ("in_kernel", "gluon_pipelined", "tma")])
-def test_leaf_k_buckets_give_the_bits_of_the_pinned_program_and_another_tree_does_not(top, loop, load):
+@pytest.mark.parametrize("top,loop,load,lpp", [("combine", "paired", "pointer", 4), ("in_kernel", "paired", "pointer", 4),
+                                               ("in_kernel", "paired", "tma", 4), ("in_kernel", "flat_paired", "tma", 4),
+                                               ("in_kernel", "gluon_pipelined", "tma", 4),
+                                               ("in_kernel", "paired", "tma", 2), ("in_kernel", "gluon_pipelined", "tma", 2)])
+def test_leaf_k_buckets_give_the_bits_of_the_pinned_program_and_another_tree_does_not(top, loop, load, lpp):
     """Launches whose leaf width (and, for decode, rows) falls in a ``pik_bfloat16_by_leaf_k`` bucket (other loop,
-    tiles, loads, leaves per program, and the two subtrees of a tile added in tree_combine or in the leaf kernel, ``top``) give
+    tiles, loads, leaves per program, and the two or four subtrees of a tile added in tree_combine or in the leaf
+    kernel, ``top``) give
     the pinned program's rows at every width of the h200 configs' buckets, in every launch, at 1 and 256 rows, at TP 2
     and in the grouped (expert) launch; four leaves instead of eight and cuBLAS's ``F.linear`` differ (negative
     controls)."""
@@ -116,11 +118,11 @@ def test_leaf_k_buckets_give_the_bits_of_the_pinned_program_and_another_tree_doe
     pinned = CFG.model_copy(update={"pik_gemm_bfloat16": (64, 64, 64, 4, 4), "pik_loop": "flat", "pik_program_leaves": 8})
     lt = {"loop": loop, "load": load}
     buckets = (LeafKBucket(max_rows=256, max_leaf_k=256, tiles=(64, 64, 64, 4, 3), program_leaves=1, **lt),
-               LeafKBucket(max_rows=256, max_leaf_k=512, tiles=(128, 128, 64, 8, 3), program_leaves=4, top=top, **lt),
+               LeafKBucket(max_rows=256, max_leaf_k=512, tiles=(128, 128, 64, 8, 3), program_leaves=lpp, top=top, **lt),
                LeafKBucket(max_leaf_k=64, tiles=(64, 64, 64, 4, 2), program_leaves=8, **lt),
-               LeafKBucket(max_leaf_k=128, tiles=(64, 64, 64, 4, 3), program_leaves=4, top=top, **lt),
+               LeafKBucket(max_leaf_k=128, tiles=(64, 64, 64, 4, 3), program_leaves=lpp, top=top, **lt),
                LeafKBucket(max_leaf_k=256, tiles=(128, 64, 64, 8, 3), program_leaves=8, **lt),
-               LeafKBucket(max_leaf_k=512, tiles=(128, 128, 64, 8, 3), program_leaves=4, top=top, **lt))
+               LeafKBucket(max_leaf_k=512, tiles=(128, 128, 64, 8, 3), program_leaves=lpp, top=top, **lt))
     by_k = pinned.model_copy(update={"pik_bfloat16_by_leaf_k": buckets})
     for k in (512, 1024, 2048, 4096):
         x = torch.randn(600, k, device=DEV, dtype=torch.bfloat16)
@@ -144,19 +146,19 @@ def test_leaf_k_buckets_give_the_bits_of_the_pinned_program_and_another_tree_doe
     assert not torch.equal(F.linear(x, w), ref)
 
 
-@pytest.mark.parametrize("loop,load", [("paired", "pointer"), ("paired", "tma"), ("gluon_pipelined", "tma")])
-def test_leaf_top_in_kernel_over_many_waves_gives_the_pinned_bits(loop, load):
-    """``top: in_kernel`` at a trainer shape (10240 rows: 1,280 tiles of 128x128, two programs each, ten waves on an
-    H100/H200), three times, dense and grouped, pointer and TMA loads and the Gluon program: each tile's second program
-    waits for its first
-    across waves (grid dispatch in increasing order), and the rows equal the pinned program's; four leaves differ
-    (negative control)."""
+@pytest.mark.parametrize("loop,load,lpp", [("paired", "pointer", 4), ("paired", "tma", 4), ("gluon_pipelined", "tma", 4),
+                                          ("paired", "tma", 2), ("gluon_pipelined", "tma", 2)])
+def test_leaf_top_in_kernel_over_many_waves_gives_the_pinned_bits(loop, load, lpp):
+    """``top: in_kernel`` at a trainer shape (10240 rows: 1,280 tiles of 128x128, two programs each at four leaves per
+    program, four at two: ten or twenty waves on an H100/H200), three times, dense and grouped, pointer and TMA loads
+    and the Gluon program: each right node's program waits for its left sibling across waves (grid dispatch in
+    increasing order), and the rows equal the pinned program's; four leaves differ (negative control)."""
     from isoexec.config import LeafKBucket
     from isoexec.kernels.gemm.triton import grouped_linear_leaves, linear_leaves
 
     pinned = CFG.model_copy(update={"pik_gemm_bfloat16": (64, 64, 64, 4, 4), "pik_loop": "flat", "pik_program_leaves": 8})
     top = pinned.model_copy(update={"pik_bfloat16_by_leaf_k": (
-        LeafKBucket(max_leaf_k=512, loop=loop, tiles=(128, 128, 64, 8, 3), program_leaves=4, top="in_kernel",
+        LeafKBucket(max_leaf_k=512, loop=loop, tiles=(128, 128, 64, 8, 3), program_leaves=lpp, top="in_kernel",
                     load=load),)})
     x = torch.randn(10240, 4096, device=DEV, dtype=torch.bfloat16)
     w = torch.randn(2048, 4096, device=DEV, dtype=torch.bfloat16) * 0.02

@@ -59,7 +59,7 @@ def test_leaf_gemm_in_register_tree_keeps_every_addition_for_sm90(leaf_k, loop, 
     from isoexec.bench.sm90_compile import leaf_launch
     from isoexec.kernels.gemm.triton import _leaf_gemm_kernel
 
-    consts = {"LEAF_K": leaf_k, "LPP": 8, "LOOP": loop, "GROUPED": False, "TOP": False, "BM": 128, "BN": 64, "BK": 64, "GM": 8,
+    consts = {"LEAF_K": leaf_k, "LPP": 8, "LOOP": loop, "GROUPED": False, "TOP": 0, "BM": 128, "BN": 64, "BK": 64, "GM": 8,
               "PREC": "ieee"}
     # unrolled: 8 leaf loops, 7 tree additions; flat: one K loop whose leaf ends climb the tree's three
     # levels (one addition each); paired and flat_paired: two dots, then the same three levels' additions.
@@ -75,18 +75,18 @@ def test_leaf_gemm_tma_loads_replace_the_pointer_loads_for_sm90(tma):
     from isoexec.bench.sm90_compile import compile_sm90, leaf_launch
     from isoexec.kernels.gemm.triton import _leaf_gemm_kernel
 
-    consts = {"LEAF_K": 512, "LPP": 4, "LOOP": "paired", "GROUPED": True, "TOP": True, "BM": 128, "BN": 64, "BK": 64,
+    consts = {"LEAF_K": 512, "LPP": 4, "LOOP": "paired", "GROUPED": True, "TOP": 2, "BM": 128, "BN": 64, "BK": 64,
               "GM": 8, "PREC": "ieee"}
     r = compile_sm90(_leaf_gemm_kernel, *leaf_launch(consts, tma), 8, 3)  # as the JIT specializes a launch
     assert (r["tma_loads"] > 0, r["async_loads"] > 0, r["spill_store_bytes"]) == (tma, not tma, 0), r
 
 
-@pytest.mark.parametrize("lpp,top", [(2, False), (4, False), (4, True)])  # eight leaves spill (five fp32 tiles)
+@pytest.mark.parametrize("lpp,top", [(2, 0), (4, 0), (4, 2), (2, 4)])  # eight leaves spill (five fp32 tiles)
 def test_gluon_leaf_program_keeps_one_wgmma_in_flight_across_leaves_and_every_tree_addition_for_sm90(lpp, top):
     """The Gluon leaf program (``loop: gluon_pipelined``) compiles for sm90 with one wgmma wait per K step that leaves
     that step's group in flight (``pendings = 1``, also at each leaf's first step, where the previous leaf climbs the
-    tree) and a single full wait, for the last leaf; the tree keeps its LPP - 1 fp32 tile additions (+ 1 with the top
-    in the kernel), none folded into an accumulator. The Triton paired loop (negative control,
+    tree) and a single full wait, for the last leaf; the tree keeps its LPP - 1 fp32 tile additions (+ 1 with two
+    subtrees' top in the kernel, + 2 with four's), none folded into an accumulator. The Triton paired loop (negative control,
     :func:`test_paired_leaf_loop_keeps_two_tensor_core_dots_in_flight_for_sm90`) waits fully once per pair."""
     from isoexec.bench.sm90_compile import compile_sm90, gluon_leaf_launch
     from isoexec.kernels.gemm.gluon_leaf import _leaf_gemm_gluon_kernel
@@ -100,27 +100,28 @@ def test_gluon_leaf_program_keeps_one_wgmma_in_flight_across_leaves_and_every_tr
     assert (r["dots"], sorted(waits), r["spill_store_bytes"]) == (2 * lpp, [0] + [1] * (2 * lpp), 0), r
     ttgir = triton.compile(GluonASTSource(fn=_leaf_gemm_gluon_kernel, signature={**sig, **{c: "constexpr" for c in cx}},
                                           constexprs=cx), target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ttgir"]
-    assert len(re.findall(r"arith\.addf .*tensor<64x64xf32", ttgir)) == lpp - 1 + top
+    assert len(re.findall(r"arith\.addf .*tensor<64x64xf32", ttgir)) == lpp - 1 + {0: 0, 2: 1, 4: 2}[top]
 
 
-@pytest.mark.parametrize("top", [False, True])
-def test_leaf_gemm_top_in_kernel_adds_the_second_subtree_once_for_sm90(top):
-    """Four leaves per program, paired, two subtrees per tile: with ``TOP`` the tile's second program adds the first's
-    fp32 partial after its own climb (the pair loop's two climb additions, levels 0 and 1, + 1; the partial released
-    and acquired through atomics); without it (negative control) the climb's only, no atomics: the top is
-    tree_combine's."""
+@pytest.mark.parametrize("top", [0, 2, 4])
+def test_leaf_gemm_top_in_kernel_adds_each_left_subtree_once_for_sm90(top):
+    """Four leaves per program, paired, two or four subtrees per tile: with ``TOP`` 2 the tile's second program adds the
+    first's fp32 partial after its own climb (the pair loop's two climb additions, levels 0 and 1, + 1; the partial
+    released and acquired through atomics); with ``TOP`` 4 the left nodes of two levels are released and acquired
+    (+ 2 additions, two release and two acquire sites); without it (negative control) the climb's only, no atomics:
+    the top is tree_combine's."""
     from isoexec.bench.sm90_compile import leaf_launch
     from isoexec.kernels.gemm.triton import _leaf_gemm_kernel
     from triton.backends.compiler import GPUTarget
 
     sig, consts = leaf_launch({"LEAF_K": 512, "LPP": 4, "LOOP": "paired", "GROUPED": False, "TOP": top, "BM": 128, "BN": 64,
                                "BK": 64, "GM": 8, "PREC": "ieee"})
-    assert _tile_addf(_leaf_gemm_kernel, sig, consts) == (2, 3 if top else 2)
+    assert _tile_addf(_leaf_gemm_kernel, sig, consts) == (2, 2 + {0: 0, 2: 1, 4: 2}[top])
     sig = {**sig, **{c: "constexpr" for c in consts}}
     ttgir = triton.compile(triton.compiler.ASTSource(fn=_leaf_gemm_kernel, signature=sig, constexprs=consts),
                            target=GPUTarget("cuda", 90, 32), options={"num_warps": 8}).asm["ttgir"]
     atomics = (len(re.findall(r"tt\.atomic_rmw exch, release", ttgir)), len(re.findall(r"tt\.atomic_cas acquire", ttgir)))
-    assert atomics == ((1, 1) if top else (0, 0)), atomics
+    assert atomics == {0: (0, 0), 2: (1, 1), 4: (2, 2)}[top], atomics
 
 
 def _dot_waits(loop: str) -> list[int]:
@@ -130,7 +131,7 @@ def _dot_waits(loop: str) -> list[int]:
     from isoexec.bench.sm90_compile import compile_sm90, leaf_launch
     from isoexec.kernels.gemm.triton import _leaf_gemm_kernel
 
-    consts = {"LEAF_K": 512, "LPP": 8, "LOOP": loop, "GROUPED": False, "TOP": False, "BM": 64, "BN": 64, "BK": 64, "GM": 8,
+    consts = {"LEAF_K": 512, "LPP": 8, "LOOP": loop, "GROUPED": False, "TOP": 0, "BM": 64, "BN": 64, "BK": 64, "GM": 8,
               "PREC": "ieee"}
     return [int(p) for p in compile_sm90(_leaf_gemm_kernel, *leaf_launch(consts), 4, 4)["dot_waits"].split(";")]
 

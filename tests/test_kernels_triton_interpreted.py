@@ -438,6 +438,10 @@ for name, dt in (("fp32", torch.float32), ("fp16", torch.float16)):
         out["top_rows"] = linear_leaves(x, w, topcfg, 8, torch.float32)
         out["top_tree"] = linear_leaves(x, w, topcfg, 8, torch.float32, split=False)
         out["top_partial"] = linear_leaves_partial(x, w, topcfg, 8)
+        # four subtrees of two leaves per tile, both top levels in the leaf kernel
+        top4cfg = TritonSection(pik_bfloat16_by_leaf_k=[
+            {"max_leaf_k": 128, "loop": "paired", "tiles": [128, 64, 64, 8, 2], "program_leaves": 2, "top": "in_kernel"}])
+        out["top4_tree"] = linear_leaves(x, w, top4cfg, 8, torch.float32, split=False)
         tg._launch_leaves = launch
         # TMA loads (fp16 only, as every bucket; leaves of 32 features are not a multiple of BK = 64: pointer loads)
         tmacfg = TritonSection(pik_bfloat16_by_leaf_k=[
@@ -455,9 +459,11 @@ for name, dt in (("fp32", torch.float32), ("fp16", torch.float16)):
         tb = topcfg.pik_bfloat16_by_leaf_k
         fp32_tiles = tuple(buckets.pik_gemm_float32)
         want = ([(K // 8, b.program_leaves, b.loop, tuple(b.tiles), False)]
-                + [(K // 8, 4, t.loop, tuple(t.tiles), True) for t in (tb[0], tb[1], tb[0])] if dt == torch.float16
+                + [(K // 8, 4, t.loop, tuple(t.tiles), True) for t in (tb[0], tb[1], tb[0])]
+                + [(K // 8, 2, "paired", (128, 64, 64, 8, 2), True)] if dt == torch.float16
                 else [(K // 8, 8, "flat", fp32_tiles, False), (K // 8, 1, "flat", fp32_tiles, False),
-                      (K // 8, 8, "flat", fp32_tiles, False), (K // 8, 1, "flat", fp32_tiles, False)])
+                      (K // 8, 8, "flat", fp32_tiles, False), (K // 8, 1, "flat", fp32_tiles, False),
+                      (K // 8, 8, "flat", fp32_tiles, False)])
         ref = linear_leaves(x, w, TritonSection(), 8, torch.float32, split=True)  # one leaf per program + tree_combine
         tp = [linear_leaves_partial(x[:, r * K // 4:(r + 1) * K // 4], w[:, r * K // 4:(r + 1) * K // 4],
                                     TritonSection(pik_loop="paired", pik_split_rows=0), 2) for r in range(4)]
@@ -467,7 +473,7 @@ for name, dt in (("fp32", torch.float32), ("fp16", torch.float16)):
         g_want = torch.cat([linear_leaves(x[:10], ws[0], TritonSection(), 8, split=True),
                             linear_leaves(x[10:], ws[2], TritonSection(), 8, split=True)])
         g_eq = all(torch.equal(grouped_linear_leaves(x, ws, counts, c, 8, split=False), g_want)
-                   for c in (TritonSection(pik_loop="paired"), topcfg, tmacfg))
+                   for c in (TritonSection(pik_loop="paired"), topcfg, top4cfg, tmacfg))
         res[f"{name}_K{K}"] = {"loops_eq_split": all(torch.equal(v, ref) for v in out.values()), "dispatch": seen == want,
                                "tp4_eq": torch.equal(tp4, ref), "grouped_eq": g_eq,
                                "tma_made": tma_made, "native_differs": not torch.equal(F.linear(x.float(), w.float()), ref)}

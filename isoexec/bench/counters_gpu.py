@@ -4,8 +4,8 @@
 
 - the leaf GEMM at h200-rlstep's ``gdn.out_proj`` trainer shape (10240 x 4096 @ 4096 x 2048, G = 8, leaves of 512):
   the configured launch, the Gluon program (``gluon_pipelined`` 128x128x64, 8 warps, 4 stages, two leaves per
-  program, the top in ``tree_combine``) and cuBLAS ``F.linear``; the same at h200's ``attn.out_proj`` (10240 x 1024
-  @ 1024 x 1024, leaves of 128);
+  program, the top two levels in ``tree_combine`` or in the kernel) and cuBLAS ``F.linear``; the same at h200's
+  ``attn.out_proj`` (10240 x 1024 @ 1024 x 1024, leaves of 128);
 - CPR's forward at the Qwen3.5-35B-A3B GDN layer (1 x 8192, 32 heads, dims 128): ``_chunk_prep``, ``_state_chain``,
   ``_scan``.
 
@@ -40,15 +40,18 @@ def launches(cfg_rl, cfg_h200) -> list[tuple[str, object]]:
         tc, G = cfg.kernels.triton, cfg.kernels.leaves
         x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
         w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * K ** -0.5
-        every = LeafKBucket(max_leaf_k=1 << 20, loop="gluon_pipelined", tiles=(128, 128, 64, 8, 4), program_leaves=2,
-                            top="combine", load="tma")
-        gl = tc.model_copy(update={"pik_bfloat16_by_leaf_k": (every,)})
         ref = t_gemm.linear_leaves(x, w, tc, G, split=False)
-        if not torch.equal(ref, t_gemm.linear_leaves(x, w, gl, G, split=False)):
-            raise RuntimeError(f"{tag}: the Gluon program's output differs from the configured launch's")
-        out += [(f"{tag} configured", lambda x=x, w=w, tc=tc, G=G: t_gemm.linear_leaves(x, w, tc, G, split=False)),
-                (f"{tag} gluon 128x128x64 8w4s lpp2", lambda x=x, w=w, gl=gl, G=G: t_gemm.linear_leaves(x, w, gl, G, split=False)),
-                (f"{tag} cublas", lambda x=x, w=w: F.linear(x, w))]
+        out.append((f"{tag} configured", lambda x=x, w=w, tc=tc, G=G: t_gemm.linear_leaves(x, w, tc, G, split=False)))
+        for top in ("combine", "in_kernel"):
+            every = LeafKBucket(max_leaf_k=1 << 20, loop="gluon_pipelined", tiles=(128, 128, 64, 8, 4),
+                                program_leaves=2, top=top, load="tma")
+            gl = tc.model_copy(update={"pik_bfloat16_by_leaf_k": (every,)})
+            if not torch.equal(ref, t_gemm.linear_leaves(x, w, gl, G, split=False)):
+                raise RuntimeError(f"{tag}: the Gluon program's output (top {top}) differs from the configured "
+                                   "launch's")
+            out.append((f"{tag} gluon 128x128x64 8w4s lpp2 top {top}",
+                        lambda x=x, w=w, gl=gl, G=G: t_gemm.linear_leaves(x, w, gl, G, split=False)))
+        out.append((f"{tag} cublas", lambda x=x, w=w: F.linear(x, w)))
     C, tc = cfg_rl.kernels.chunk_size, cfg_rl.kernels.triton
     q, k, v, g, b = gdn_inputs(8192, 32)
     out.append(("cpr forward 1x8192 h32", lambda: t_gdn.cpr_gdn(q, k, v, g, b, [8192], [None], C, tc, keep_state=False)))

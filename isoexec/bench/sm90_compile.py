@@ -132,13 +132,13 @@ def leaf_rows(leaf_k: int = 512) -> list[dict]:
     for loop, counts in (("unrolled", (1,)), ("flat", (8, 4, 2)), ("paired", (8, 4, 2))):
         for bm, bn, bk, nw, ns in TILES:
             for lpp in counts:
-                consts = {"LEAF_K": leaf_k, "LPP": lpp, "LOOP": loop, "GROUPED": False, "TOP": False, "BM": bm, "BN": bn, "BK": bk,
+                consts = {"LEAF_K": leaf_k, "LPP": lpp, "LOOP": loop, "GROUPED": False, "TOP": 0, "BM": bm, "BN": bn, "BK": bk,
                           "GM": 8, "PREC": "ieee"}
                 rows.append({"loop": loop, "tiles": f"{bm}x{bn}x{bk}", "num_warps": nw, "num_stages": ns,
                              "leaves_per_program": lpp, "leaf_k": leaf_k, "top": "combine", "load": "pointer",
                              **compile_sm90(_leaf_gemm_kernel, *leaf_launch(consts), nw, ns)})
     for bm, bn, bk, nw, ns in TILES:  # two subtrees of four leaves per tile, the top added in the kernel
-        consts = {"LEAF_K": leaf_k, "LPP": 4, "LOOP": "paired", "GROUPED": False, "TOP": True, "BM": bm, "BN": bn,
+        consts = {"LEAF_K": leaf_k, "LPP": 4, "LOOP": "paired", "GROUPED": False, "TOP": 2, "BM": bm, "BN": bn,
                   "BK": bk, "GM": 8, "PREC": "ieee"}
         rows.append({"loop": "paired", "tiles": f"{bm}x{bn}x{bk}", "num_warps": nw, "num_stages": ns,
                      "leaves_per_program": 4, "leaf_k": leaf_k, "top": "in_kernel", "load": "pointer",
@@ -147,7 +147,7 @@ def leaf_rows(leaf_k: int = 512) -> list[dict]:
     # and two subtrees of four with the top in the kernel
     for loop in ("paired", "flat_paired"):
         for bm, bn, bk, nw, ns in TILES:
-            for lpp, top in ((8, False), (4, True)):
+            for lpp, top in ((8, 0), (4, 2)):
                 consts = {"LEAF_K": leaf_k, "LPP": lpp, "LOOP": loop, "GROUPED": False, "TOP": top, "BM": bm, "BN": bn,
                           "BK": bk, "GM": 8, "PREC": "ieee"}
                 rows.append({"loop": loop, "tiles": f"{bm}x{bn}x{bk}", "num_warps": nw, "num_stages": ns,
@@ -180,13 +180,15 @@ def gluon_leaf_launch(consts: dict, num_warps: int) -> tuple[dict, dict]:
 def gluon_rows(leaf_k: int = 512) -> list[dict]:
     """The Gluon leaf program (``loop`` ``gluon_pipelined``) compiled by :func:`compile_sm90` at the tiles of its
     variants candidates: four leaves per program with the top in the kernel, and two leaves per program at 128x128
-    (four tiles of fp32 live at four leaves: 128x128 spills)."""
+    (four tiles of fp32 live at four leaves: 128x128 spills), with the top two levels in tree_combine or in the kernel
+    (four subtrees per tile)."""
     from isoexec.kernels.gemm.gluon_leaf import _leaf_gemm_gluon_kernel
 
     rows = []
-    for (bm, bn, bk, nw, ns), lpp, top in (((128, 64, 64, 8, 4), 4, True), ((128, 64, 64, 8, 3), 4, True),
-                                          ((64, 64, 64, 4, 4), 4, True), ((64, 64, 64, 4, 3), 4, True),
-                                          ((128, 128, 64, 8, 4), 2, False), ((128, 128, 64, 8, 3), 4, True)):
+    for (bm, bn, bk, nw, ns), lpp, top in (((128, 64, 64, 8, 4), 4, 2), ((128, 64, 64, 8, 3), 4, 2),
+                                          ((64, 64, 64, 4, 4), 4, 2), ((64, 64, 64, 4, 3), 4, 2),
+                                          ((128, 128, 64, 8, 4), 2, 0), ((128, 128, 64, 8, 3), 4, 2),
+                                          ((128, 128, 64, 8, 4), 2, 4)):
         consts = {"LEAF_K": leaf_k, "LPP": lpp, "TOP": top, "GM": 8, "STAGES": ns, "BM": bm, "BN": bn, "BK": bk}
         rows.append({"loop": "gluon_pipelined", "tiles": f"{bm}x{bn}x{bk}", "num_warps": nw, "num_stages": ns,
                      "leaves_per_program": lpp, "leaf_k": leaf_k, "top": "in_kernel" if top else "combine",

@@ -154,7 +154,14 @@ def _variants_leaf(leaf_shapes, data, timed, tc0, G, rec):
     cands += [("gluon_pipelined", t, lpp, top, "tma") for t, lpp, top in (
         ((128, 64, 64, 8, 4), 4, "in_kernel"), ((128, 64, 64, 8, 3), 4, "in_kernel"), ((64, 64, 64, 4, 4), 4, "in_kernel"),
         ((64, 64, 64, 4, 3), 4, "in_kernel"), ((128, 64, 64, 8, 4), 4, "combine"), ((128, 128, 64, 8, 4), 2, "combine"),
-        ((128, 128, 64, 8, 3), 2, "combine"))]
+        ((128, 128, 64, 8, 3), 2, "combine"),
+        # two leaves per program with the top two levels in the kernel (four subtrees per tile): no tree_combine launch
+        # (Nsight Compute, results/h200/counters_15762cc_h100: the leaf kernel 1.15x the configured one; the combine
+        # took 124 us)
+        ((128, 128, 64, 8, 4), 2, "in_kernel"), ((128, 128, 64, 8, 3), 2, "in_kernel"))]
+    # the Triton paired loop the same way, for the 256 decode rows of 512-wide leaves (pinned: two leaves, combine)
+    cands += [("paired", (128, 128, 64, 8, 3), 2, "in_kernel", "tma"),
+              ("paired", (64, 64, 64, 4, 3), 2, "in_kernel", "tma")]
     # ISOEXEC_LEAF_LOOPS (space-separated loop names): only those loops' candidates, beside the configured launch
     only = os.environ.get("ISOEXEC_LEAF_LOOPS", "").split()
     if only:

@@ -107,19 +107,37 @@ def _first_step(acc, other, x_desc, w_desc, bars, a_bufs, b_bufs, t, total, kpl,
 
 
 @gluon.jit
+def _top_publish(blk, flag_ptr, slot, node, BLOCK: gl.constexpr):
+    """Store ``node`` to the in-kernel top's block ``slot`` (``blk``: block 0's element pointers) and release flag
+    ``slot``, as the Triton kernel's ``_top_publish``."""
+    gl.store(blk + slot * BLOCK, node)
+    _cta_barrier()  # every thread's part of the block is stored before the flag is released
+    gl.atomic_xchg(flag_ptr + slot, 1, sem="release")
+
+
+@gluon.jit
+def _top_take(blk, flag_ptr, slot, BLOCK: gl.constexpr):
+    """Wait for flag ``slot`` (acquire), then load block ``slot`` past L1, as the Triton kernel's ``_top_take``."""
+    while gl.atomic_cas(flag_ptr + slot, 1, 1, sem="acquire") != 1:
+        pass
+    return gl.load(blk + slot * BLOCK, cache_modifier=".cg")
+
+
+@gluon.jit
 def _leaf_gemm_gluon_kernel(x_desc, w_desc, y_ptr, part_ptr, flag_ptr, M, N, stride_ym, stride_ys, kpl,
                             LEAF_K: gl.constexpr, LPP: gl.constexpr, TOP: gl.constexpr, GM: gl.constexpr,
                             STAGES: gl.constexpr, num_warps: gl.constexpr):
     """Program (tile, s): output tile ``tile`` (swizzled as the Triton kernel's) summed over subtree s of LPP leaves
     (K offset ``s * LPP * LEAF_K``), stored in fp32 or rounded to y's dtype in plane s of y (``stride_ys``); with
-    ``TOP`` the Triton kernel's in-kernel top (programs 2t, 2t + 1 of a 1-D grid are tile t's two subtrees; the
-    first's fp32 sum goes through ``part_ptr``, released by flag t, and the second adds ``left + right``)."""
+    ``TOP`` 2 or 4 the Triton kernel's in-kernel top (programs TOP * t + s of a 1-D grid are tile t's subtrees; each
+    left node's fp32 sum goes through ``part_ptr``, released by its flag, and its right sibling adds ``left + right``:
+    :mod:`isoexec.kernels.gemm.triton`, ``_top_publish``)."""
     BM: gl.constexpr = x_desc.block_type.shape[0]
     BK: gl.constexpr = x_desc.block_type.shape[1]
     BN: gl.constexpr = w_desc.block_type.shape[0]
-    if TOP:
-        tile = gl.program_id(0) // 2
-        sub = gl.program_id(0) % 2
+    if TOP > 0:
+        tile = gl.program_id(0) // TOP
+        sub = gl.program_id(0) % TOP
     else:
         tile = gl.program_id(0)
         sub = gl.program_id(1)
@@ -196,24 +214,27 @@ def _leaf_gemm_gluon_kernel(x_desc, w_desc, y_ptr, part_ptr, flag_ptr, M, N, str
     rows = off_m + r
     cols = off_n + c
     mask = (rows < M)[:, None] & (cols < N)[None, :]
-    if TOP:
-        blk = part_ptr + tile.to(gl.int64) * (BM * BN) + r[:, None] * BN + c[None, :]
-        if sub == 0:
-            gl.store(blk, root)
-            _cta_barrier()  # every thread's part of the block is stored before the flag is released
-            gl.atomic_xchg(flag_ptr + tile, 1, sem="release")
+    ys = y_ptr + rows.to(gl.int64)[:, None] * stride_ym + cols[None, :]
+    if TOP > 0:
+        blk = part_ptr + r[:, None] * BN + c[None, :]
+        slot = tile.to(gl.int64) * (TOP - 1)  # the tile's first block and flag
+        if sub % 2 == 0:  # a left node at level 0
+            _top_publish(blk, flag_ptr, slot + sub, root, BM * BN)
         else:
-            while gl.atomic_cas(flag_ptr + tile, 1, 1, sem="acquire") != 1:
-                pass
-            root = gl.load(blk, cache_modifier=".cg") + root
-            gl.store(y_ptr + rows.to(gl.int64)[:, None] * stride_ym + cols[None, :], root.to(y_ptr.dtype.element_ty),
-                     mask=mask)
+            root = _top_take(blk, flag_ptr, slot + sub - 1, BM * BN) + root
+            if TOP == 4:
+                if sub == 1:  # p0 + p1, the left node at level 1
+                    _top_publish(blk, flag_ptr, slot + 1, root, BM * BN)
+                else:  # (p0 + p1) + (p2 + p3)
+                    root = _top_take(blk, flag_ptr, slot + 1, BM * BN) + root
+                    gl.store(ys, root.to(y_ptr.dtype.element_ty), mask=mask)
+            else:
+                gl.store(ys, root.to(y_ptr.dtype.element_ty), mask=mask)
     else:
-        ptrs = y_ptr + sub.to(gl.int64) * stride_ys + rows.to(gl.int64)[:, None] * stride_ym + cols[None, :]
-        gl.store(ptrs, root.to(y_ptr.dtype.element_ty), mask=mask)
+        gl.store(ys + sub.to(gl.int64) * stride_ys, root.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-def launch(x, w, y, part, flag, leaf_k: int, lpp: int, grid: tuple, top: bool, tiles, group_m: int) -> bool:
+def launch(x, w, y, part, flag, leaf_k: int, lpp: int, grid: tuple, top: int, tiles, group_m: int) -> bool:
     """Run a dense leaf GEMM launch of :func:`isoexec.kernels.gemm.triton._launch_leaves` with this program, if it
     applies: bf16 / fp16 on a Hopper GPU (compute capability 9.x: wgmma), at least two leaves per program, BM >= 64,
     4 or 8 warps, at least two stages, a leaf width that is a multiple of BK and 16-byte aligned rows and bases
@@ -222,9 +243,10 @@ def launch(x, w, y, part, flag, leaf_k: int, lpp: int, grid: tuple, top: bool, t
     Args:
         x: ``[R, K]``. w: ``[N, K]``. y: ``[n_sub, R, N]`` (or ``[R, N]``), fp32 planes or the output dtype.
         part, flag: the in-kernel top's fp32 tile partials and int32 flags (zeroed) when ``top``, else unused.
-        leaf_k: features per leaf. lpp: leaves per program. grid: ``_launch_leaves``' grid ((2 * tiles,) with
-        ``top``, else (tiles, n_sub)). tiles: (BM, BN, BK, num_warps, num_stages): the stages are the TMA ring's
-        buffers. group_m: the tile swizzle's group (``gemm_group_m``).
+        leaf_k: features per leaf. lpp: leaves per program. grid: ``_launch_leaves``' grid ((top * tiles,) with
+        ``top``, else (tiles, n_sub)). top: 0, or the 2 or 4 subtrees per tile added in the kernel.
+        tiles: (BM, BN, BK, num_warps, num_stages): the stages are the TMA ring's buffers. group_m: the tile
+        swizzle's group (``gemm_group_m``).
     """
     import torch
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor

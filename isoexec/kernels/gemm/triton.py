@@ -28,7 +28,7 @@ kept at level ``l`` while bit ``l`` of j is 0, and added to its left sibling whe
 the levels above its subtree to :func:`tree_combine` (one leaf per program for few rows,
 ``kernels.triton.pik_split_rows``; at most ``kernels.triton.pik_program_leaves`` otherwise, or the bucket's of
 ``kernels.triton.pik_bfloat16_by_leaf_k`` by leaf width and rows, with its loop, tiles and loads: pointer or
-TMA), and a launch of two subtrees per tile may add them in the leaf kernel itself (the bucket's ``top``); every
+TMA), and a launch of two or four subtrees per tile may add them in the leaf kernel itself (the bucket's ``top``); every
 launch adds the same fp32
 numbers in the same order, so none changes bits. A TP rank holding K/tp
 features reduces its subtree of G/tp leaves with the same code, hence every TP dividing G gives the
@@ -167,12 +167,32 @@ def _tree_climb(j, acc, s0, s1, s2, LPP: tl.constexpr):
 # accumulator (``dot(a, b, 0) + s -> dot(a, b, s)``), which changes the bits of the in-register tree against
 # the one-leaf-per-program launch (seen on the H200 for leaves of one 64-wide K step). A grouped padding tile
 # (r0 == r1) sets kpl to 0, so no loop shape runs a step; a live tile keeps kpl, still a run-time value.
-# ``TOP`` (the two subtrees of a launch of 2 * LPP leaves added in this kernel): programs 2t and 2t + 1 of a 1-D grid
-# are output tile t's subtrees 0 and 1, adjacent so that they run side by side and the fp32 partial stays in L2.
-# Program 2t stores its subtree sum to ``part_ptr`` (tile t's BM x BN block), and after a CTA barrier releases tile
-# t's flag; program 2t + 1 acquires it (spinning: a lower program id is dispatched no later, so the writer is
-# resident or done), loads the partial past L1 and adds ``left + right``, tree_combine's addition, then rounds once.
-# The serial split-K fix-up of CUTLASS (``Semaphore``) and Triton's stream-K example wait the same way.
+# ``TOP`` (0, or the 2 or 4 subtrees of a launch of TOP * LPP leaves added in this kernel): programs TOP * t + s of a
+# 1-D grid are output tile t's subtrees s, adjacent so that they run side by side and the fp32 partials stay in L2.
+# They climb tree_combine's top levels as a binary counter: at level l, subtree s with bit l clear (a left node)
+# stores its node to tile t's slot s of ``part_ptr`` (TOP - 1 BM x BN blocks per tile) and, after a CTA barrier,
+# releases flag (t, s); one with bit l set acquires flag (t, s - 2^l) (spinning: a lower program id is dispatched no
+# later, so the writer is resident or done), loads that node past L1 and adds ``left + right``, tree_combine's
+# addition, then climbs on; subtree TOP - 1 ends with the root and rounds once. Four subtrees: s1 publishes p0 + p1,
+# s3 adds (p0 + p1) + (p2 + p3). The serial split-K fix-up of CUTLASS (``Semaphore``) and Triton's stream-K example
+# wait the same way.
+@triton.jit
+def _top_publish(part_ptr, flag_ptr, slot, node, BM: tl.constexpr, BN: tl.constexpr):
+    """Store ``node`` (``[BM, BN]`` fp32) to the in-kernel top's block ``slot`` and release flag ``slot``."""
+    tl.store(part_ptr + slot * (BM * BN) + tl.arange(0, BM)[:, None] * BN + tl.arange(0, BN)[None, :], node)
+    tl.debug_barrier()  # every thread's part of the block is stored before the flag is released
+    tl.atomic_xchg(flag_ptr + slot, 1, sem="release")
+
+
+@triton.jit
+def _top_take(part_ptr, flag_ptr, slot, BM: tl.constexpr, BN: tl.constexpr):
+    """Wait for flag ``slot`` (acquire), then load block ``slot`` past L1: the left node of this program's level."""
+    while tl.atomic_cas(flag_ptr + slot, 1, 1, sem="acquire") != 1:
+        pass
+    return tl.load(part_ptr + slot * (BM * BN) + tl.arange(0, BM)[:, None] * BN + tl.arange(0, BN)[None, :],
+                   cache_modifier=".cg")
+
+
 @triton.jit
 def _leaf_step(x_ptr, w_ptr, x_desc, w_desc, rows64, cols64, rmask, cmask, stride_xm, stride_wn, r0, w_row, k_leaf, it,
                LEAF_K: tl.constexpr, BK: tl.constexpr, TMA: tl.constexpr):
@@ -202,9 +222,9 @@ def _leaf_gemm_kernel(x_ptr, w_ptr, y_ptr, part_ptr, flag_ptr, M, N, stride_xm, 
                       TOP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GM: tl.constexpr,
                       PREC: tl.constexpr, TMA: tl.constexpr = False):
     # program (tile, s): output tile ``tile`` summed over the subtree s of LPP leaves (K offset s*LPP*LEAF_K)
-    if TOP:
-        tile = tl.program_id(0) // 2
-        sub = tl.program_id(0) % 2
+    if TOP > 0:
+        tile = tl.program_id(0) // TOP
+        sub = tl.program_id(0) % TOP
     else:
         tile = tl.program_id(0)
         sub = tl.program_id(1)
@@ -275,21 +295,23 @@ def _leaf_gemm_kernel(x_ptr, w_ptr, y_ptr, part_ptr, flag_ptr, M, N, stride_xm, 
                                   r0, w_row, k_base + j * LEAF_K, it, LEAF_K, BK, TMA)
                 acc = tl.dot(a, b, acc, input_precision=PREC)
             s0, s1, s2 = _tree_climb(j, acc, s0, s1, s2, LPP)
-    if TOP:
-        blk = part_ptr + tile.to(tl.int64) * (BM * BN) + tl.arange(0, BM)[:, None] * BN + tl.arange(0, BN)[None, :]
-        if sub == 0:
-            tl.store(blk, s0)
-            tl.debug_barrier()  # every thread's part of the block is stored before the flag is released
-            tl.atomic_xchg(flag_ptr + tile, 1, sem="release")
+    ys = y_ptr + rows64[:, None] * stride_ym + cols64[None, :]
+    if TOP > 0:
+        slot = tile.to(tl.int64) * (TOP - 1)  # the tile's first block and flag
+        if sub % 2 == 0:  # a left node at level 0
+            _top_publish(part_ptr, flag_ptr, slot + sub, s0, BM, BN)
         else:
-            while tl.atomic_cas(flag_ptr + tile, 1, 1, sem="acquire") != 1:
-                pass
-            s0 = tl.load(blk, cache_modifier=".cg") + s0
-            tl.store(y_ptr + rows64[:, None] * stride_ym + cols64[None, :], s0.to(y_ptr.dtype.element_ty),
-                     mask=rmask[:, None] & cmask[None, :])
+            s0 = _top_take(part_ptr, flag_ptr, slot + sub - 1, BM, BN) + s0
+            if TOP == 4:
+                if sub == 1:  # p0 + p1, the left node at level 1
+                    _top_publish(part_ptr, flag_ptr, slot + 1, s0, BM, BN)
+                else:  # (p0 + p1) + (p2 + p3)
+                    s0 = _top_take(part_ptr, flag_ptr, slot + 1, BM, BN) + s0
+                    tl.store(ys, s0.to(y_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
+            else:
+                tl.store(ys, s0.to(y_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
     else:
-        tl.store(y_ptr + sub.to(tl.int64) * stride_ys + rows64[:, None] * stride_ym + cols64[None, :],
-                 s0.to(y_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
+        tl.store(ys + sub.to(tl.int64) * stride_ys, s0.to(y_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
 
 
 @triton.jit
@@ -609,9 +631,9 @@ def _launch_leaves(x, w, y, counts, cfg, leaf_k: int, lpp: int, n_sub: int, loop
     """One leaf-GEMM launch: programs (tile, subtree) over ``n_sub`` subtrees of ``lpp`` leaves, with ``loop``,
     ``tiles`` and ``load`` of :func:`leaf_program_for` (``"tma"``: pointer loads where :func:`_tma_descriptors` gives
     none; loop ``"gluon_pipelined"``: :func:`isoexec.kernels.gemm.gluon_leaf.launch` where it applies, else the paired
-    loop, with TMA loads for bf16 / fp16); y is ``[n_sub, R, N]`` (or ``[R, N]`` when n_sub == 1 or ``top``: the two
-    subtrees added in the kernel, n_sub == 2). ``counts``: None (w ``[N, K]``), or the ``[E]`` integer rows per expert on x's device (w
-    ``[E, N, K]``), whose grid has the static T of :func:`_group_tiles`."""
+    loop, with TMA loads for bf16 / fp16); y is ``[n_sub, R, N]`` (or ``[R, N]`` when n_sub == 1 or ``top``: the
+    n_sub = 2 or 4 subtrees added in the kernel). ``counts``: None (w ``[N, K]``), or the ``[E]`` integer rows per
+    expert on x's device (w ``[E, N, K]``), whose grid has the static T of :func:`_group_tiles`."""
     BM, BN, BK, nw, ns = tiles
     R = x.shape[0]
     N = w.shape[-2]
@@ -624,35 +646,36 @@ def _launch_leaves(x, w, y, counts, cfg, leaf_k: int, lpp: int, n_sub: int, loop
         meta = _group_tiles(_check_counts(counts, x, w), BM, R)
         n_t, stride_w, stride_we = meta.shape[1], w.stride(1), w.stride(0)
         n_tiles = n_t * triton.cdiv(N, BN)
-    if top:  # tile t's two subtrees are programs 2t, 2t + 1; the first's fp32 sum goes through part, flag t says when
-        part = torch.empty((n_tiles, BM, BN), device=x.device, dtype=torch.float32)
-        flag = torch.zeros((n_tiles,), device=x.device, dtype=torch.int32)
-        grid = (2 * n_tiles,)
+    if top:  # tile t's n_sub subtrees are programs n_sub * t + s; the left nodes go through part, their flags say when
+        part = torch.empty((n_tiles, n_sub - 1, BM, BN), device=x.device, dtype=torch.float32)
+        flag = torch.zeros((n_tiles * (n_sub - 1),), device=x.device, dtype=torch.int32)
+        grid = (n_sub * n_tiles,)
     else:
         part, flag, grid = x, x, (n_tiles, n_sub)
     if loop == "gluon_pipelined":  # dense bf16 / fp16 TMA launches; else the paired loop (same bits)
         from isoexec.kernels.gemm import gluon_leaf
 
-        if counts is None and gluon_leaf.launch(x, w, y, part, flag, leaf_k, lpp, grid, top, tiles, cfg.gemm_group_m):
+        if counts is None and gluon_leaf.launch(x, w, y, part, flag, leaf_k, lpp, grid, n_sub if top else 0, tiles,
+                                                cfg.gemm_group_m):
             return
         loop, load = "paired", "tma" if x.dtype in (torch.bfloat16, torch.float16) else "pointer"
     descs = _tma_descriptors(x, w, leaf_k, BM, BN, BK) if load == "tma" else None
     _leaf_gemm_kernel[grid](x, w, y, part, flag, R, N, x.stride(0), stride_w, N, stride_we, R * N, meta[0], meta[1],
                             meta[2], n_t, kpl, *(descs or (None, None)), LEAF_K=leaf_k, LPP=lpp, LOOP=loop,
-                            GROUPED=counts is not None, TOP=top, BM=BM, BN=BN, BK=BK, GM=cfg.gemm_group_m,
+                            GROUPED=counts is not None, TOP=n_sub if top else 0, BM=BM, BN=BN, BK=BK, GM=cfg.gemm_group_m,
                             PREC=DOT_PRECISION, TMA=descs is not None, num_warps=nw, num_stages=ns)
 
 
 def _launch_all(x, w, counts, cfg, leaf_k: int, leaves: int, split: bool | None, alloc, out_dtype, out=None):
     """The leaf sums of ``leaves`` leaves with :func:`leaf_program_for`'s program (``split``: True one leaf per program,
     False the in-register tree, None by the rows); subtree sums of fewer than ``leaves`` through an fp32 buffer, the
-    upper levels by :func:`tree_combine` (into ``out`` if given), or, for two subtrees with ``top`` ``"in_kernel"``,
-    in the leaf kernel."""
+    upper levels by :func:`tree_combine` (into ``out`` if given), or, for two or four subtrees with ``top``
+    ``"in_kernel"``, in the leaf kernel."""
     R, N = x.shape[0], w.shape[-2]
     loop, tiles, cap, top, load = leaf_program_for(cfg, x.dtype, leaf_k, R, True if leaves == 1 else split,
                                                    counts is not None)
     lpp = min(leaves, cap)
-    if lpp < leaves and not (top == "in_kernel" and leaves == 2 * lpp):
+    if lpp < leaves and not (top == "in_kernel" and leaves in (2 * lpp, 4 * lpp)):
         parts = alloc((leaves // lpp, R, N), device=x.device, dtype=torch.float32)
         _launch_leaves(x, w, parts, counts, cfg, leaf_k, lpp, leaves // lpp, loop, tiles, load=load)
         return tree_combine(parts, out_dtype, out=out)
