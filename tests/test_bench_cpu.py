@@ -119,3 +119,8 @@ def test_counters_summary_reads_an_ncu_export_per_launch_in_microseconds(tmp_pat
     (tmp_path / "y.csv").write_text("ID,Kernel Name\n1,a\n")
     with pytest.raises(ValueError, match=r"y.csv: not an ncu details export"):
         summary(str(tmp_path / "y.csv"))
+    rows[0][3] = "fortnight"
+    with open(tmp_path / "z.csv", "w", newline="") as f:
+        csv.writer(f).writerows([cols, *rows])
+    with pytest.raises(ValueError, match=r"z.csv: launch a/_scan: Duration in 'fortnight'; allowed: ns, nsecond"):
+        summary(str(tmp_path / "z.csv"))

@@ -148,12 +148,16 @@ def test_leaf_k_buckets_give_the_bits_of_the_pinned_program_and_another_tree_doe
 
 @pytest.mark.parametrize("loop,load,lpp", [("paired", "pointer", 4), ("paired", "tma", 4), ("gluon_pipelined", "tma", 4),
                                           ("paired", "tma", 2), ("gluon_pipelined", "tma", 2)])
-def test_leaf_top_in_kernel_over_many_waves_gives_the_pinned_bits(loop, load, lpp):
+def test_leaf_top_in_kernel_over_many_waves_gives_the_pinned_bits(loop, load, lpp, monkeypatch):
     """``top: in_kernel`` at a trainer shape (10240 rows: 1,280 tiles of 128x128, two programs each at four leaves per
-    program, four at two: ten or twenty waves on an H100/H200), three times, dense and grouped, pointer and TMA loads
-    and the Gluon program: each right node's program waits for its left sibling across waves (grid dispatch in
-    increasing order), and the rows equal the pinned program's; four leaves differ (negative control)."""
+    program, four at two: about 19 or 39 waves of one CTA per SM on an H100/H200), three times, dense and grouped,
+    pointer and TMA loads and the Gluon program: each right node's program waits for its left sibling across waves
+    (grid dispatch in increasing order), and the rows equal the pinned program's; no ``tree_combine`` launch runs, and
+    the Gluon loop's dense launches run the Gluon program (not the paired fallback); four leaves differ (negative
+    control)."""
     from isoexec.config import LeafKBucket
+    from isoexec.kernels.gemm import gluon_leaf
+    from isoexec.kernels.gemm import triton as tg
     from isoexec.kernels.gemm.triton import grouped_linear_leaves, linear_leaves
 
     pinned = CFG.model_copy(update={"pik_gemm_bfloat16": (64, 64, 64, 4, 4), "pik_loop": "flat", "pik_program_leaves": 8})
@@ -163,8 +167,13 @@ def test_leaf_top_in_kernel_over_many_waves_gives_the_pinned_bits(loop, load, lp
     x = torch.randn(10240, 4096, device=DEV, dtype=torch.bfloat16)
     w = torch.randn(2048, 4096, device=DEV, dtype=torch.bfloat16) * 0.02
     ref = linear_leaves(x, w, pinned, 8)
+    combines, gluon_ran, launch = [], [], gluon_leaf.launch
+    monkeypatch.setattr(tg, "tree_combine", lambda *a, **k: combines.append(1))
+    monkeypatch.setattr(gluon_leaf, "launch", lambda *a, **k: gluon_ran.append(launch(*a, **k)) or gluon_ran[-1])
     for _ in range(3):
         assert torch.equal(linear_leaves(x, w, top, 8), ref)
+    assert not combines and gluon_ran == ([True] * 3 if loop == "gluon_pipelined" else [])
+    monkeypatch.undo()
     counts = torch.tensor([4000, 0, 6240], device=DEV)
     ws = torch.stack([w, w.flip(0), w * 0.5])
     g = grouped_linear_leaves(x, ws, counts, top, 8)

@@ -10,7 +10,7 @@
   ``_scan``.
 
 Each launch runs in an NVTX range named after it (``ncu --print-nvtx-rename kernel``).
-``python -m isoexec.bench.counters_gpu --summary counters_nvtx.csv[.gz]`` (any machine) prints the metrics that
+``python -m isoexec.bench.counters_gpu --summary counters_nvtx.csv[.gz]`` (pandas, no GPU) prints the metrics that
 issue 37's READMEs quote, one row per kernel launch, as CSV (:func:`summary`).
 
 Raises:
@@ -22,11 +22,10 @@ from __future__ import annotations
 import re
 import sys
 
-import torch
-
 
 def launches(cfg_rl, cfg_h200) -> list[tuple[str, object]]:
     """(name, callable) of every launch to profile; each callable runs one kernel launch sequence."""
+    import torch
     import torch.nn.functional as F
 
     from isoexec.bench.cpr_gpu import gdn_inputs
@@ -68,13 +67,19 @@ SUMMARY_METRICS = (
     ("Warp Cycles Per Issued Instruction", "warp_cycles_per_issued_instruction"))
 
 
+# ncu's Duration units (2025 prints ns / us / ms, older releases nsecond / usecond / msecond), in microseconds
+DURATION_US = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3, "s": 1e6,
+               "second": 1e6}
+
+
 def summary(path: str) -> list[dict]:
     """One row per kernel launch of an ``ncu --csv --page details --print-nvtx-rename kernel`` export (plain or
     gzipped): ``launch`` (NVTX range / kernel name), the metrics of :data:`SUMMARY_METRICS` as floats, ``duration_us``
     in microseconds whatever unit ncu printed, and ``bottleneck`` (ncu's SOLBottleneck rule, first sentence).
 
     Raises:
-        ValueError: the file lacks the export's columns (``ID``, ``Kernel Name``, ``Metric Name``, ``Metric Value``).
+        ValueError: the file lacks the export's columns (``ID``, ``Kernel Name``, ``Metric Name``, ``Metric Value``),
+            or a Duration in a unit not in :data:`DURATION_US`.
     """
     import pandas as pd
 
@@ -91,7 +96,10 @@ def summary(path: str) -> list[dict]:
                 continue
             v = float(str(m["Metric Value"].iloc[0]).replace(",", ""))
             if metric == "Duration":
-                col, v = "duration_us", v * {"ns": 1e-3, "us": 1.0, "ms": 1e3, "s": 1e6}[m["Metric Unit"].iloc[0]]
+                unit = str(m["Metric Unit"].iloc[0])
+                if unit not in DURATION_US:
+                    raise ValueError(f"{path}: launch {name}: Duration in '{unit}'; allowed: {', '.join(DURATION_US)}")
+                col, v = "duration_us", v * DURATION_US[unit]
             r[col] = v
         sol = g[g["Rule Name"] == "SOLBottleneck"]["Rule Description"].dropna()
         r["bottleneck"] = re.split(r"\.\s|:\s", sol.iloc[0])[0] if not sol.empty else ""
@@ -110,6 +118,8 @@ def main(argv=None) -> int:
 
         print(pd.DataFrame(summary(a.summary)).to_csv(index=False), end="")
         return 0
+    import torch
+
     from isoexec.bench.gpu import gpu_configs
 
     cfg_rl, _ = gpu_configs("experiments/h200-rlstep.yaml")

@@ -164,6 +164,9 @@ def _variants_leaf(leaf_shapes, data, timed, tc0, G, rec):
               ("paired", (64, 64, 64, 4, 3), 2, "in_kernel", "tma")]
     # ISOEXEC_LEAF_LOOPS (space-separated loop names): only those loops' candidates, beside the configured launch
     only = os.environ.get("ISOEXEC_LEAF_LOOPS", "").split()
+    if set(only) - {c[0] for c in cands}:
+        raise ValueError(f"ISOEXEC_LEAF_LOOPS: {' '.join(sorted(set(only) - {c[0] for c in cands}))} names no candidate's "
+                         f"loop; allowed: {' '.join(sorted({c[0] for c in cands}))}")
     if only:
         cands = [c for c in cands if c[0] in only]
     # first the config's own launch constants (its pik_bfloat16_by_leaf_k buckets included), then each candidate alone

@@ -647,6 +647,8 @@ def _launch_leaves(x, w, y, counts, cfg, leaf_k: int, lpp: int, n_sub: int, loop
         n_t, stride_w, stride_we = meta.shape[1], w.stride(1), w.stride(0)
         n_tiles = n_t * triton.cdiv(N, BN)
     if top:  # tile t's n_sub subtrees are programs n_sub * t + s; the left nodes go through part, their flags say when
+        if n_sub not in (2, 4):
+            raise ValueError(f"leaf GEMM: the in-kernel top adds 2 or 4 subtrees per tile, got {n_sub}")
         part = torch.empty((n_tiles, n_sub - 1, BM, BN), device=x.device, dtype=torch.float32)
         flag = torch.zeros((n_tiles * (n_sub - 1),), device=x.device, dtype=torch.int32)
         grid = (n_sub * n_tiles,)
