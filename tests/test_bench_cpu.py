@@ -124,3 +124,22 @@ def test_counters_summary_reads_an_ncu_export_per_launch_in_microseconds(tmp_pat
         csv.writer(f).writerows([cols, *rows])
     with pytest.raises(ValueError, match=r"z.csv: launch a/_scan: Duration in 'fortnight'; allowed: ns, nsecond"):
         summary(str(tmp_path / "z.csv"))
+
+
+def test_model_profile_names_the_top_ops_of_both_kernel_sets_per_trainer_case():
+    """isoexec.bench.model_gpu.model_profile (a CPU smoke run of the GPU table): rows for native and isoexec,
+    trainer_score and trainer_fwd_bwd, sorted by self CPU time here; the backward shows autograd's ops, which the
+    no-grad score does not run."""
+    from isoexec.bench.model_gpu import model_profile
+    from isoexec.config import load_config
+
+    rows = model_profile(load_config(str(ROOT / "experiments" / "ci-tiny.yaml")), log=lambda s: None, batch=1,
+                         seq_len=8, top=40)
+    assert {(r["set"], r["case"]) for r in rows} == {(s, c) for s in ("native", "isoexec")
+                                                      for c in ("trainer_score", "trainer_fwd_bwd")}
+    for (s, c) in {(r["set"], r["case"]) for r in rows}:
+        mine = [r for r in rows if (r["set"], r["case"]) == (s, c)]
+        cpu = [r["self_cpu_ms"] for r in mine]
+        assert cpu == sorted(cpu, reverse=True) and cpu[0] > 0 and mine[0]["wall_ms"] > 0, (s, c)
+        backward = any("Backward" in r["op"] or "autograd" in r["op"] for r in mine)
+        assert backward == (c == "trainer_fwd_bwd"), (s, c, [r["op"] for r in mine])

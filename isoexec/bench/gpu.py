@@ -22,13 +22,15 @@
 * ``model_throughput.csv``: the unified model, isoexec vs native kernel sets, and the transformers
   model with fla kernels; ``model_before_after.csv``: the whole model per case (trainer_score, trainer
   forward + backward, engine prefill and decode, decode under CUDA graphs), native vs isoexec with the leaf
-  GEMM's launch rules of issue 37's filing and of the config (``model_before_after``).
+  GEMM's launch rules of issue 37's filing and of the config (``model_before_after``); ``model_profile.csv``: the
+  top operators and kernels of the whole model's ``trainer_score`` and ``trainer_fwd_bwd`` per kernel set, by
+  torch.profiler (``model_profile``).
 * ``provenance.json``: code version, device, software, ceilings, the commands.
 
 The tables live beside this entry, one module per measurement: :mod:`isoexec.bench.kernels_gpu`
 (``kernel_bench.csv``, ``conv_pieces.csv``), :mod:`isoexec.bench.cpr_gpu` (``cpr_layer.csv``,
 ``cpr_backward.csv``, ``cpr_breakdown.csv``, ``cpr_chunkwise.csv``, ``cpr_qwen35.csv``), :mod:`isoexec.bench.model_gpu`
-(``model_throughput.csv``, ``model_before_after.csv``),
+(``model_throughput.csv``, ``model_before_after.csv``, ``model_profile.csv``),
 :mod:`isoexec.bench.variants_gpu` (``variants_<parts>.csv``); their timing and the ceilings in
 :mod:`isoexec.bench.timing_gpu`.
 """
@@ -46,7 +48,7 @@ import torch
 
 from isoexec.bench.cpr_gpu import cpr_backward_table, cpr_breakdown, cpr_chunkwise_table, cpr_qwen35_table, cpr_table
 from isoexec.bench.kernels_gpu import conv_pieces_table, kernel_table
-from isoexec.bench.model_gpu import model_before_after, model_table
+from isoexec.bench.model_gpu import model_before_after, model_profile, model_table
 from isoexec.bench.timing_gpu import ceilings
 from isoexec.bench.variants_gpu import variants
 
@@ -123,7 +125,7 @@ def gpu_bench_command(config: str = "experiments/h200.yaml", out_dir: str | None
         prov["gates"] = gpu_gates(cfg, out, log)
     tables = {"kernels": ("kernel_bench",), "cpr": ("cpr_layer", "cpr_backward"), "cpr_backward": ("cpr_backward",),
               "cpr_chunkwise": ("cpr_chunkwise",), "cpr_qwen35": ("cpr_qwen35",),
-              "model_before_after": ("model_before_after",),
+              "model_before_after": ("model_before_after",), "model_profile": ("model_profile",),
               "conv": ("conv_pieces",),
               "model": ("model_throughput",),
               "bench": ("kernel_bench", "cpr_layer", "model_throughput"), "all": ("kernel_bench", "cpr_layer", "model_throughput")}
@@ -137,6 +139,7 @@ def gpu_bench_command(config: str = "experiments/h200.yaml", out_dir: str | None
                          ("cpr_chunkwise", lambda: cpr_chunkwise_table(cfg, log)),
                          ("cpr_qwen35", lambda: cpr_qwen35_table(cfg, log)),
                          ("model_before_after", lambda: model_before_after(cfg, log)),
+                         ("model_profile", lambda: model_profile(cfg, log)),
                          ("model_throughput", lambda: model_table(cfg, log)),
                          ("conv_pieces", lambda: conv_pieces_table(cfg, log))):
             if name not in tables[what]:
@@ -159,7 +162,7 @@ if __name__ == "__main__":
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("what", choices=["variants", "gates", "profile", "kernels", "cpr", "cpr_backward", "cpr_chunkwise",
-                                    "cpr_qwen35", "model", "model_before_after",
+                                    "cpr_qwen35", "model", "model_before_after", "model_profile",
                                     "conv", "bench",
                                     "all"])
     p.add_argument("--config", default="experiments/h200.yaml")

@@ -258,3 +258,52 @@ def model_before_after(cfg, log=print, batch=8, seq_len=1024, decode_seqs=256, d
         rows.append(r)
         log(json.dumps(r))
     return rows
+
+
+def model_profile(cfg, log=print, batch=8, seq_len=1024, top=25) -> list[dict]:
+    """Where the whole model's trainer time goes, per kernel set: ``trainer_score`` and ``trainer_fwd_bwd`` of
+    :func:`model_before_after` (``batch`` x ``seq_len`` packed, random weights, seed 0) once each under
+    ``torch.profiler`` after a warm-up call, on ``cfg.device`` (CUDA, or the CPU for a smoke run).
+
+    Returns:
+        Per (kernel set, case), the ``top`` operators and kernels by self time on the device (by self CPU time on a
+        CPU run): ``set``, ``case``, ``op`` (torch's event name, cut to 80 characters), ``calls``, ``self_device_ms``
+        and ``self_cpu_ms`` (milliseconds, summed over calls), and ``wall_ms``, the profiled call's wall time. The
+        CPU time of Python-level loops shows in ``self_cpu_ms`` of their ops; a host-bound backward has a wall time
+        well above its device time.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    from isoexec.bench.rl_step import build_model
+
+    cuda = cfg.device == "cuda"
+    rows = []
+    for kernel_set in ("native", "isoexec"):
+        model = build_model(cfg, kernel_set)
+        _, _, ids, cu = _inputs(model.config.vocab_size, batch, seq_len, 1, 1)
+        nxt = torch.cat([ids[1:], ids[:1]]).to(cfg.device)[:, None]
+
+        def fwd_bwd(model=model, ids=ids, cu=cu, nxt=nxt):
+            model.zero_grad(set_to_none=True)
+            model.trainer_logprobs(ids, cu, grad=True).gather(1, nxt).sum().backward()
+
+        for case, fn in (("trainer_score", lambda model=model, ids=ids, cu=cu: model.trainer_logprobs(ids, cu)),
+                         ("trainer_fwd_bwd", fwd_bwd)):
+            fn()  # warm-up: JIT, autotuning, allocations
+            if cuda:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+                fn()
+                if cuda:
+                    torch.cuda.synchronize()
+            wall = (time.perf_counter() - t0) * 1e3
+            ev = [(e.key, e.count, e.self_device_time_total / 1e3, e.self_cpu_time_total / 1e3) for e in prof.key_averages()]
+            for key, calls, dev_ms, cpu_ms in sorted(ev, key=lambda e: -(e[2] if cuda else e[3]))[:top]:
+                rows.append({"set": kernel_set, "case": case, "op": key[:80], "calls": calls, "self_device_ms": dev_ms,
+                             "self_cpu_ms": cpu_ms, "wall_ms": wall})
+                log(json.dumps(rows[-1]))
+        del model
+        if cuda:
+            torch.cuda.empty_cache()
+    return rows
