@@ -145,6 +145,9 @@ class TritonSection(_Section):
     gdn_chain_bv: PositiveInt = Field(32, description="CPR state chain: Dv columns per program")
     gdn_chain_warps: PositiveInt = 4
     gdn_prep_warps: PositiveInt = 4
+    gdn_prep_split: bool = Field(False, description="CPR chunk prep: W (with KD and the decay total) and U in two "
+                                 "launches instead of one, the same operations per output (the one-program prep "
+                                 "spills on sm90: results/h200/counters_15762cc_h100)")
     gdn_dot_precision: Literal["tf32", "ieee"] = Field("tf32", description="state-pass dots (fp32 storage)")
     gdn_bwd_bv: PositiveInt = Field(32, description="CPR backward (trainer_fwd gradient): Dv columns per block. "
                                     "The backward is not bitwise, so not in the contract")

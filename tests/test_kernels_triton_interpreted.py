@@ -495,3 +495,40 @@ def test_leaf_gemm_loop_shapes_give_the_same_bits_in_the_interpreter():
     res = json.loads(r.stdout.strip().splitlines()[-1])
     assert res and all(v == {"loops_eq_split": True, "dispatch": True, "tp4_eq": True, "grouped_eq": True, "tma_made": True,
                              "native_differs": True} for v in res.values()), res
+
+
+_PREP_SPLIT_CASE = r"""
+import json, torch
+import torch.nn.functional as F
+from isoexec.config import TritonSection
+from isoexec.kernels.gdn import triton as gdn
+torch.manual_seed(0)
+H, d = 2, 32
+lens = [40, 16, 7]
+N = sum(lens)
+q, k = (F.normalize(torch.randn(N, H, d), dim=-1) for _ in range(2))
+v, g, b = torch.randn(N, H, d), F.logsigmoid(torch.randn(N, H)) * 0.3, torch.rand(N, H)
+res = {}
+for name, C, split in (("one", 16, False), ("split", 16, True), ("one_C32", 32, False)):
+    cfg = TritonSection(gdn_chain_bv=16, gdn_scan_bv=16, gdn_prep_split=split)
+    o, st = gdn.cpr_gdn(q, k, v, g, b, lens, [None] * 3, C, cfg, keep_state=True)
+    outs = [o]
+    for t in range(18):  # decode across a chunk boundary of C = 16: the open chunk's prep runs from the buffers
+        ot, st = gdn.cpr_gdn(*(z[N - 3:] for z in (q, k, v, g, b)), [1] * 3, st, C, cfg)
+        outs.append(ot)
+    res[name] = torch.cat(outs)
+print(json.dumps({"equal": torch.equal(res["one"], res["split"]), "rows": int(res["one"].shape[0]),
+                  "other_chunks_differ": not torch.equal(res["one"][:N], res["one_C32"][:N])}))
+"""
+
+
+def test_chunk_prep_in_two_launches_gives_the_one_launch_bits_in_the_interpreter():
+    """``gdn_prep_split``: the chunk prep's W / KD / decay totals and its U in two launches give the one launch's CPR
+    outputs for a packed prefill and for decode steps across a chunk boundary (where the open chunk's prep runs from
+    the buffers); another chunk size gives other bits (negative control: the check sees the prep's arithmetic). The
+    compiled kernels' bits: the variants table's check on a GPU (``isoexec.bench.variants_gpu``)."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    r = subprocess.run([sys.executable, "-c", _PREP_SPLIT_CASE], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    assert res == {"equal": True, "rows": 63 + 3 * 18, "other_chunks_differ": True}, res

@@ -1,10 +1,12 @@
-"""The leaf GEMM (pik row-parallel regions) and the chunkwise CPR candidate compiled for Hopper on any machine, no GPU:
+"""The leaf GEMM (pik row-parallel regions) and CPR's candidates compiled for Hopper on any machine, no GPU:
 what limits each loop shape and tile choice before it is timed.
 
 ``python -m isoexec.bench.sm90_compile --out results/h200/leaf_gemm/sm90_compile/compile.csv``
 ``python -m isoexec.bench.sm90_compile --kernels cpr_chunkwise --out results/h200/cpr_chunkwise/sm90_compile/compile.csv``
 (the in-chunk output program of :mod:`isoexec.kernels.gdn.triton_chunkwise` at Dv blocks 32-128 and 4 or 8 warps, after
 today's token scan ``_scan`` at ``experiments/h200.yaml``'s launch for reference, at the Qwen3.5 GDN head: Dk = Dv = 128)
+``python -m isoexec.bench.sm90_compile --kernels cpr_prep --out results/h200/cpr_prep_split/sm90_compile/compile.csv``
+(CPR's chunk prep in one launch and in the two of ``gdn_prep_split``)
 
 Each candidate (``pik_loop``, tiles BM x BN x BK, warps, stages, leaves per program; the Gluon program of
 :mod:`isoexec.kernels.gemm.gluon_leaf` last) is compiled by Triton for sm90
@@ -223,6 +225,29 @@ def chunkwise_rows(config: str = "experiments/h200.yaml", dk: int = 128, dv: int
     return rows
 
 
+PREP_SIGNATURE = {**{n: "*fp32" for n in ("k_ptr", "v_ptr", "g_ptr", "b_ptr", "bk_ptr", "bv_ptr", "bg_ptr", "bb_ptr")},
+                  "meta_ptr": "*i32", "w_ptr": "*fp32", "u_ptr": "*fp32", "kd_ptr": "*fp32", "dc_ptr": "*fp32",
+                  "H": "i32"}
+
+
+def prep_rows(config: str = "experiments/h200.yaml", dk: int = 128, dv: int = 128) -> list[dict]:
+    """CPR's chunk prep (:func:`isoexec.kernels.gdn.triton._chunk_prep`) at the ``config`` pins, in one launch
+    (``PART`` 0) and split in two (``gdn_prep_split``: 1, W / KD / decay totals; 2, U), at 4 and 8 warps, compiled by
+    :func:`compile_sm90`."""
+    from isoexec.config import load_config
+    from isoexec.kernels.gdn.triton import _chunk_prep
+
+    exp = load_config(config)
+    cfg, C = exp.kernels.triton, exp.kernels.chunk_size
+    rows = []
+    for part in (0, 1, 2):
+        for nw in (4, 8):
+            consts = {"C": C, "BT": min(C, 16), "DK": dk, "DV": dv, "PREC": cfg.gdn_dot_precision, "PART": part}
+            rows.append({"kernel": "_chunk_prep", "part": part, "num_warps": nw,
+                         **compile_sm90(_chunk_prep, PREP_SIGNATURE, consts, nw, 3)})
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     import json
 
@@ -233,14 +258,17 @@ def main(argv: list[str] | None = None) -> None:
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     p.add_argument("--out", required=True, help="CSV path; provenance.json is written beside it")
-    p.add_argument("--kernels", choices=("leaf", "cpr_chunkwise"), default="leaf",
-                   help="the leaf GEMM's loops and tiles, or the chunkwise CPR candidate (default: %(default)s)")
+    p.add_argument("--kernels", choices=("leaf", "cpr_chunkwise", "cpr_prep"), default="leaf",
+                   help="the leaf GEMM's loops and tiles, the chunkwise CPR candidate, or CPR's chunk prep in one or "
+                   "two launches (default: %(default)s)")
     a = p.parse_args(argv)
     out = Path(a.out)
     if out.is_dir():
         p.error(f"--out {out}: a folder; give the CSV's path (e.g. {out / 'compile.csv'})")
     out.parent.mkdir(parents=True, exist_ok=True)
-    write_csv(out, column_rows() + leaf_rows() + gluon_rows() if a.kernels == "leaf" else chunkwise_rows())
+    tables = {"leaf": lambda: column_rows() + leaf_rows() + gluon_rows(), "cpr_chunkwise": chunkwise_rows,
+              "cpr_prep": prep_rows}
+    write_csv(out, tables[a.kernels]())
     from triton.backends.nvidia.compiler import get_ptxas_version
 
     prov = {**provenance(), "triton_imported": triton.__version__, "triton_path": triton.__file__,

@@ -235,9 +235,12 @@ def _variants_cpr(cfg, tc0, bench, rec, log):
     H, T, C = 32, 10240, cfg.kernels.chunk_size
     q, k, v, g, b = gdn_inputs(T, H)
     tc = tc0
+    o_pinned, _ = t_gdn.cpr_gdn(q, k, v, g, b, [T], [None], C, tc0, keep_state=False)  # the configured launch's bits
     for names, opts in ((("gdn_scan_bv", "gdn_scan_warps"), ((8, 1), (16, 1), (16, 2), (32, 2), (32, 4))),
                         (("gdn_chain_bv", "gdn_chain_warps"), ((32, 4), (16, 4), (16, 2), (64, 4))),
-                        (("gdn_prep_warps",), ((4,), (8,), (2,)))):
+                        (("gdn_prep_warps",), ((4,), (8,), (2,))),
+                        # the prep's W and U in two launches: no spills on sm90 (results/h200/cpr_prep_split/)
+                        (("gdn_prep_split",), ((False,), (True,)))):
         best = None
         for vals in opts:
             cand = tc.model_copy(update=dict(zip(names, vals)))
@@ -250,7 +253,9 @@ def _variants_cpr(cfg, tc0, bench, rec, log):
                     outs.append(ot)
                 ok = torch.equal(torch.cat(outs), o)
                 ms = bench(lambda: t_gdn.cpr_gdn(q, k, v, g, b, [T], [None], C, cand, keep_state=False))
-                rec(what="cpr", config=conf, shape="trainer_fwd 1x10240 h32", ms=ms, bitwise_ok=bool(ok))
+                same = torch.equal(t_gdn.cpr_gdn(q, k, v, g, b, [T], [None], C, cand, keep_state=False)[0], o_pinned)
+                rec(what="cpr", config=conf, shape="trainer_fwd 1x10240 h32", ms=ms, bitwise_ok=bool(ok),
+                    equal_pinned=bool(same))
             except Exception as e:
                 rec(what="cpr", config=conf, error=f"{type(e).__name__}: {str(e)[:200]}")
                 continue
@@ -258,7 +263,8 @@ def _variants_cpr(cfg, tc0, bench, rec, log):
                 best = (ms, vals)
         if best:
             tc = tc.model_copy(update=dict(zip(names, best[1])))
-    log(f"cpr greedy choice: scan {tc.gdn_scan_bv}/{tc.gdn_scan_warps} chain {tc.gdn_chain_bv}/{tc.gdn_chain_warps} prep {tc.gdn_prep_warps}")
+    log(f"cpr greedy choice: scan {tc.gdn_scan_bv}/{tc.gdn_scan_warps} chain {tc.gdn_chain_bv}/{tc.gdn_chain_warps} "
+        f"prep {tc.gdn_prep_warps} split {tc.gdn_prep_split}")
     # decode step (scan only) for the scan variants at the chosen chain/prep
     B = 256
     pq, pk, pv, pg, pb = (x[:B * 8] for x in (q, k, v, g, b))

@@ -112,7 +112,8 @@ def constants(chunk_size: int, cfg) -> dict:
     """The contract constants of :func:`cpr_gdn` (``cfg``: ``isoexec.config.TritonSection``)."""
     return {"chunk_size": chunk_size, "state_dtype": "float32", "state_pass": "wy_ut_blocked16_neumann_chain",
             "state_pass_dot_precision": cfg.gdn_dot_precision, "chain_tile_v": cfg.gdn_chain_bv,
-            "chain_num_warps": cfg.gdn_chain_warps, "prep_num_warps": cfg.gdn_prep_warps, "in_chunk": "recurrent",
+            "chain_num_warps": cfg.gdn_chain_warps, "prep_num_warps": cfg.gdn_prep_warps,
+            "prep_split": cfg.gdn_prep_split, "in_chunk": "recurrent",
             "scan_tile_v": cfg.gdn_scan_bv, "scan_num_warps": cfg.gdn_scan_warps, "decode_resync": True}
 
 
@@ -145,7 +146,9 @@ def _prep_block_rows(k_ptr, v_ptr, g_ptr, b_ptr, bk_ptr, bv_ptr, bg_ptr, bb_ptr,
 @triton.jit
 def _chunk_prep(k_ptr, v_ptr, g_ptr, b_ptr, bk_ptr, bv_ptr, bg_ptr, bb_ptr, meta_ptr,
                 w_ptr, u_ptr, kd_ptr, dc_ptr, H,
-                C: tl.constexpr, BT: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, PREC: tl.constexpr):
+                C: tl.constexpr, BT: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, PREC: tl.constexpr,
+                PART: tl.constexpr = 0):
+    # PART 0: W, U, KD and the decay total; 1: W, KD and the decay total; 2: U (the same operations per output)
     j = tl.program_id(0)
     h = tl.program_id(1)
     in_row0 = tl.load(meta_ptr + j * 3 + 0)
@@ -179,10 +182,12 @@ def _chunk_prep(k_ptr, v_ptr, g_ptr, b_ptr, bk_ptr, bv_ptr, bg_ptr, bb_ptr, meta
                                               slot, h, H, s0, BT, C, DK, DV, False)
             G_j = tl.sum(tl.where(tc < s0, g_all, 0.0), axis=0) + tl.cumsum(g_j, axis=0)
             a_ij = b_i[:, None] * tl.dot(k_i, tl.trans(k_j), input_precision=PREC) * tl.exp(G_i[:, None] - G_j[None, :])
-            w_j = tl.load(w_ptr + (base + s0 + tb)[:, None] * DK + dk[None, :])
-            u_j = tl.load(u_ptr + (base + s0 + tb)[:, None] * DV + dv[None, :])
-            xw = xw - tl.dot(a_ij, w_j, input_precision=PREC)
-            xu = xu - tl.dot(a_ij, u_j, input_precision=PREC)
+            if PART != 2:
+                w_j = tl.load(w_ptr + (base + s0 + tb)[:, None] * DK + dk[None, :])
+                xw = xw - tl.dot(a_ij, w_j, input_precision=PREC)
+            if PART != 1:
+                u_j = tl.load(u_ptr + (base + s0 + tb)[:, None] * DV + dv[None, :])
+                xu = xu - tl.dot(a_ij, u_j, input_precision=PREC)
         # T_ii = (I + A_ii)^-1 = (I - A)(I + A^2)(I + A^4)(I + A^8) for the strictly lower (nilpotent) 16x16 A_ii,
         # fp32 products (ieee: no tf32), a few dependent dots instead of a 15-step row substitution
         kk = tl.dot(k_i, tl.trans(k_i), input_precision=PREC)
@@ -195,13 +200,25 @@ def _chunk_prep(k_ptr, v_ptr, g_ptr, b_ptr, bk_ptr, bv_ptr, bg_ptr, bb_ptr, meta
         T = tl.dot(I - A, I + A2, input_precision="ieee")
         T = tl.dot(T, I + A4, input_precision="ieee")
         T = tl.dot(T, I + A8, input_precision="ieee")
-        w_i = tl.dot(T, xw, input_precision=PREC)
-        u_i = tl.dot(T, xu, input_precision=PREC)
-        tl.store(w_ptr + (base + t0 + tb)[:, None] * DK + dk[None, :], w_i)
-        tl.store(u_ptr + (base + t0 + tb)[:, None] * DV + dv[None, :], u_i)
-        tl.store(kd_ptr + (base + t0 + tb)[:, None] * DK + dk[None, :], k_i * tl.exp(gl - G_i)[:, None])
+        if PART != 2:
+            w_i = tl.dot(T, xw, input_precision=PREC)
+            tl.store(w_ptr + (base + t0 + tb)[:, None] * DK + dk[None, :], w_i)
+            tl.store(kd_ptr + (base + t0 + tb)[:, None] * DK + dk[None, :], k_i * tl.exp(gl - G_i)[:, None])
+        if PART != 1:
+            u_i = tl.dot(T, xu, input_precision=PREC)
+            tl.store(u_ptr + (base + t0 + tb)[:, None] * DV + dv[None, :], u_i)
         tl.debug_barrier()  # block i's W, U rows are read back by the next blocks
-    tl.store(dc_ptr + j * H + h, tl.exp(gl))
+    if PART != 2:
+        tl.store(dc_ptr + j * H + h, tl.exp(gl))
+
+
+def chunk_prep(n: int, H: int, args: tuple, C: int, DK: int, DV: int, cfg) -> None:
+    """Launch :func:`_chunk_prep` over ``n`` chunks x ``H`` heads: ``args`` its pointer arguments (k, v, g, beta, the
+    open-chunk buffers, the prep metadata, W, U, KD, dC); one launch, or with ``cfg.gdn_prep_split`` two (``PART`` 1:
+    W, KD and the decay totals; 2: U), each output computed by the same operations either way."""
+    for part in ((1, 2) if cfg.gdn_prep_split else (0,)):
+        _chunk_prep[(n, H)](*args, H, C=C, BT=min(C, 16), DK=DK, DV=DV, PREC=cfg.gdn_dot_precision, PART=part,
+                            num_warps=cfg.gdn_prep_warps)
 
 
 @triton.jit
@@ -457,9 +474,7 @@ def cpr_gdn(q, k, v, g, beta, lengths: list[int], states: list, chunk_size: int,
         KD = torch.empty((n_prep, H, C, DK), **f32)
         U = torch.empty((n_prep, H, C, DV), **f32)
         dC = torch.empty((n_prep, H), **f32)
-        _chunk_prep[(n_prep, H)](k, v, g, beta, *bufs, m_prep, W, U, KD, dC, H,
-                                 C=C, BT=min(C, 16), DK=DK, DV=DV, PREC=cfg.gdn_dot_precision,
-                                 num_warps=cfg.gdn_prep_warps)
+        chunk_prep(n_prep, H, (k, v, g, beta, *bufs, m_prep, W, U, KD, dC), C, DK, DV, cfg)
         entry = pool.entry if pool is not None else dummy
         _state_chain[(n_chain, H, DV // cfg.gdn_chain_bv)](entry, W, U, KD, dC, E, m_chain, H, C=C, DK=DK, DV=DV,
                                                            BV=cfg.gdn_chain_bv, PREC=cfg.gdn_dot_precision,
@@ -532,9 +547,7 @@ def _decode_step(q, k, v, g, beta, states, pool: StatePool, C: int, cfg):
         U = torch.empty((nd, H, C, DV), **f32)
         dC = torch.empty((nd, H), **f32)
         E = torch.empty((nd, H, DK, DV), **f32)
-        _chunk_prep[(nd, H)](k, v, g, beta, pool.bk, pool.bv, pool.bg, pool.bb, m_prep, W, U, KD, dC, H,
-                             C=C, BT=min(C, 16), DK=DK, DV=DV, PREC=cfg.gdn_dot_precision,
-                                 num_warps=cfg.gdn_prep_warps)
+        chunk_prep(nd, H, (k, v, g, beta, pool.bk, pool.bv, pool.bg, pool.bb, m_prep, W, U, KD, dC), C, DK, DV, cfg)
         _state_chain[(nd, H, DV // cfg.gdn_chain_bv)](pool.entry, W, U, KD, dC, E, m_chain, H, C=C, DK=DK, DV=DV,
                                                       BV=cfg.gdn_chain_bv, PREC=cfg.gdn_dot_precision,
                                                       num_warps=cfg.gdn_chain_warps)
@@ -611,8 +624,8 @@ def complete_chunks(pool: StatePool, slots: list[int], cfg) -> None:
     dC = torch.empty((n, H), **f32)
     E = torch.empty((n, H, DK, DV), **f32)
     # nb = C: every row of the chunk from the buffer, so the input-row pointers are never read
-    _chunk_prep[(n, H)](pool.bk, pool.bv, pool.bg, pool.bb, pool.bk, pool.bv, pool.bg, pool.bb, m_prep, W, U, KD, dC, H,
-                        C=C, BT=min(C, 16), DK=DK, DV=DV, PREC=cfg.gdn_dot_precision, num_warps=cfg.gdn_prep_warps)
+    chunk_prep(n, H, (pool.bk, pool.bv, pool.bg, pool.bb, pool.bk, pool.bv, pool.bg, pool.bb, m_prep, W, U, KD, dC), C,
+               DK, DV, cfg)
     _state_chain[(n, H, DV // cfg.gdn_chain_bv)](pool.entry, W, U, KD, dC, E, m_chain, H, C=C, DK=DK, DV=DV,
                                                  BV=cfg.gdn_chain_bv, PREC=cfg.gdn_dot_precision,
                                                  num_warps=cfg.gdn_chain_warps)

@@ -103,7 +103,7 @@ def _check_chunk_size(C: int) -> None:
 def _prep_and_chain(k, v, g, beta, prep_meta, chain_meta, n_states, C: int, cfg, entry=None):
     """Today's chunk prep and state chain (:mod:`isoexec.kernels.gdn.triton`) over ``prep_meta``'s chunks:
     ``(W, U0, E)``; ``entry`` ``[P, H, Dk, Dv]``: the states ``chain_meta``'s sources index (None: none)."""
-    from isoexec.kernels.gdn.triton import _chunk_prep, _state_chain
+    from isoexec.kernels.gdn.triton import _state_chain, chunk_prep
 
     N, H, DK = k.shape
     DV = v.shape[-1]
@@ -113,8 +113,7 @@ def _prep_and_chain(k, v, g, beta, prep_meta, chain_meta, n_states, C: int, cfg,
     W, KD = torch.empty((n, H, C, DK), **f32), torch.empty((n, H, C, DK), **f32)
     U0, dC = torch.empty((n, H, C, DV), **f32), torch.empty((n, H), **f32)
     E = torch.empty((max(n_states, 1), H, DK, DV), **f32)
-    _chunk_prep[(n, H)](k, v, g, beta, dummy, dummy, dummy, dummy, prep_meta, W, U0, KD, dC, H, C=C, BT=min(C, 16),
-                        DK=DK, DV=DV, PREC=cfg.gdn_dot_precision, num_warps=cfg.gdn_prep_warps)
+    chunk_prep(n, H, (k, v, g, beta, dummy, dummy, dummy, dummy, prep_meta, W, U0, KD, dC), C, DK, DV, cfg)
     if chain_meta.shape[0]:
         _state_chain[(chain_meta.shape[0], H, DV // cfg.gdn_chain_bv)](
             entry if entry is not None else dummy, W, U0, KD, dC, E, chain_meta, H, C=C, DK=DK, DV=DV,
