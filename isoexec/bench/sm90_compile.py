@@ -6,7 +6,7 @@ what limits each loop shape and tile choice before it is timed.
 (the in-chunk output program of :mod:`isoexec.kernels.gdn.triton_chunkwise` at Dv blocks 32-128 and 4 or 8 warps, after
 today's token scan ``_scan`` at ``experiments/h200.yaml``'s launch for reference, at the Qwen3.5 GDN head: Dk = Dv = 128)
 ``python -m isoexec.bench.sm90_compile --kernels cpr_prep --out results/h200/cpr_prep_split/sm90_compile/compile.csv``
-(CPR's chunk prep in one launch and in the two of ``gdn_prep_split``)
+(CPR's chunk prep in one launch and in the two of ``gdn_prep_split``, and the Triton backward's four kernels)
 
 Each candidate (``pik_loop``, tiles BM x BN x BK, warps, stages, leaves per program; the Gluon program of
 :mod:`isoexec.kernels.gemm.gluon_leaf` last) is compiled by Triton for sm90
@@ -232,8 +232,8 @@ PREP_SIGNATURE = {**{n: "*fp32" for n in ("k_ptr", "v_ptr", "g_ptr", "b_ptr", "b
 
 def prep_rows(config: str = "experiments/h200.yaml", dk: int = 128, dv: int = 128) -> list[dict]:
     """CPR's chunk prep (:func:`isoexec.kernels.gdn.triton._chunk_prep`) at the ``config`` pins, in one launch
-    (``PART`` 0) and split in two (``gdn_prep_split``: 1, W / KD / decay totals; 2, U), at 4 and 8 warps, compiled by
-    :func:`compile_sm90`."""
+    (``PART`` 0) and split in two (``gdn_prep_split``: 1, W / KD / decay totals; 2, U), at 4 and 8 warps, then the
+    Triton backward's kernels (:func:`backward_rows`), compiled by :func:`compile_sm90`."""
     from isoexec.config import load_config
     from isoexec.kernels.gdn.triton import _chunk_prep
 
@@ -245,7 +245,36 @@ def prep_rows(config: str = "experiments/h200.yaml", dk: int = 128, dv: int = 12
             consts = {"C": C, "BT": min(C, 16), "DK": dk, "DV": dv, "PREC": cfg.gdn_dot_precision, "PART": part}
             rows.append({"kernel": "_chunk_prep", "part": part, "num_warps": nw,
                          **compile_sm90(_chunk_prep, PREP_SIGNATURE, consts, nw, 3)})
-    return rows
+    return rows + backward_rows(cfg, C, dk, dv)
+
+
+def backward_rows(cfg, C: int, dk: int, dv: int) -> list[dict]:
+    """The Triton CPR backward's four kernels (:mod:`isoexec.kernels.gdn.triton_backward`) at the launches
+    ``cpr_gdn_backward`` makes with ``cfg`` (``TritonSection``), compiled by :func:`compile_sm90`; pointer arguments
+    fp32 (int32 for the metadata), ``H`` and ``NVB`` int32, ``scale`` fp32."""
+    import inspect
+
+    from isoexec.kernels.gdn import triton_backward as tb
+
+    def signature(fn) -> dict:
+        out = {}
+        for n in inspect.signature(fn.fn).parameters:
+            if n.endswith("_ptr"):
+                out[n] = "*i32" if "meta" in n else "*fp32"
+            elif n in ("H", "NVB"):
+                out[n] = "i32"
+            elif n == "scale":
+                out[n] = "fp32"
+        return out
+
+    bt, bv, prec = min(C, 16), min(cfg.gdn_bwd_bv, dv), cfg.gdn_dot_precision
+    blocks = {"C": C, "DK": dk, "DV": dv, "BV": bv, "PREC": prec}
+    launches = ((tb._bwd_prep, {"C": C, "BT": bt, "LOG2_BT": bt.bit_length() - 1, "LOG2_NB": (C // bt).bit_length() - 1,
+                                "DK": dk, "DV": dv, "PREC": prec, "TPREC": "tf32x3"}, cfg.gdn_bwd_prep_warps, 3),
+                (tb._bwd_chain, blocks, cfg.gdn_bwd_warps, 1), (tb._bwd_dv, blocks, cfg.gdn_bwd_warps, 3),
+                (tb._bwd_dqk, blocks, cfg.gdn_bwd_warps, 3))
+    return [{"kernel": fn.fn.__name__, "part": "", "num_warps": nw, **compile_sm90(fn, signature(fn), consts, nw, ns)}
+            for fn, consts, nw, ns in launches]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -260,7 +289,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", required=True, help="CSV path; provenance.json is written beside it")
     p.add_argument("--kernels", choices=("leaf", "cpr_chunkwise", "cpr_prep"), default="leaf",
                    help="the leaf GEMM's loops and tiles, the chunkwise CPR candidate, or CPR's chunk prep in one or "
-                   "two launches (default: %(default)s)")
+                   "two launches and its backward's kernels (default: %(default)s)")
     a = p.parse_args(argv)
     out = Path(a.out)
     if out.is_dir():
