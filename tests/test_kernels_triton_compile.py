@@ -164,3 +164,15 @@ def test_conv1d_kernel_compiles_for_sm90_with_one_fma_chain_per_output(kc):
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
     fma, add = len(re.findall(r"\bfma\.rn\.f32\b", ptx)), len(re.findall(r"\badd\.(?:rn\.)?f32\b", ptx))
     assert add > 0 and fma == (kc - 1) * add, (fma, add)
+
+
+def test_chunk_prep_in_two_launches_spills_less_than_in_one_for_sm90():
+    """CPR's chunk prep at the Qwen3.5 head (Dk = Dv = 128, C = 64, 4 warps): one launch (``PART`` 0) spills
+    registers on sm90 (ncu on an H100: about 2 million spill requests, results/h200/counters_15762cc_h100); each of the
+    two launches of ``gdn_prep_split`` (W / KD / decay totals, then U) spills less."""
+    from isoexec.bench.sm90_compile import PREP_SIGNATURE, compile_sm90
+    from isoexec.kernels.gdn.triton import _chunk_prep
+
+    spills = [compile_sm90(_chunk_prep, PREP_SIGNATURE, {"C": 64, "BT": 16, "DK": 128, "DV": 128, "PREC": "tf32",
+                                                         "PART": part}, 4, 3)["spill_store_bytes"] for part in (0, 1, 2)]
+    assert spills[0] > 0 and spills[1] < spills[0] and spills[2] < spills[0], spills
