@@ -133,6 +133,14 @@ def before_rules(kernels):
     return kernels.model_copy(update={"triton": tc})
 
 
+def _fwd_bwd(model, ids, cu, nxt) -> torch.Tensor:
+    """``trainer_fwd_bwd``: full-vocabulary logprobs with grad of the packed ``ids`` (``cu`` their cu_seqlens), then
+    the backward of the next tokens' (``nxt`` ``[N, 1]``) summed logprob; returns the lm_head's weight gradient."""
+    model.zero_grad(set_to_none=True)
+    model.trainer_logprobs(ids, cu, grad=True).gather(1, nxt).sum().backward()
+    return model.lm_head.weight.grad
+
+
 def model_before_after(cfg, log=print, batch=8, seq_len=1024, decode_seqs=256, decode_steps=16, prompt=128,
                        reps=3) -> list[dict]:
     """The whole model (``cfg.model``, random weights of :func:`isoexec.bench.rl_step.build_model`, seed 0) per case,
@@ -170,10 +178,7 @@ def model_before_after(cfg, log=print, batch=8, seq_len=1024, decode_seqs=256, d
             return model.trainer_logprobs(ids, cu)
 
         def fwd_bwd():
-            model.zero_grad(set_to_none=True)
-            lp = model.trainer_logprobs(ids, cu, grad=True)
-            lp.gather(1, nxt).sum().backward()
-            return model.lm_head.weight.grad
+            return _fwd_bwd(model, ids, cu, nxt)
 
         def prefill():
             return torch.cat(model.engine_step([model.new_cache() for _ in seqs], seqs, last_only=True))
@@ -283,12 +288,8 @@ def model_profile(cfg, log=print, batch=8, seq_len=1024, top=25) -> list[dict]:
         _, _, ids, cu = _inputs(model.config.vocab_size, batch, seq_len, 1, 1)
         nxt = torch.cat([ids[1:], ids[:1]]).to(cfg.device)[:, None]
 
-        def fwd_bwd(model=model, ids=ids, cu=cu, nxt=nxt):
-            model.zero_grad(set_to_none=True)
-            model.trainer_logprobs(ids, cu, grad=True).gather(1, nxt).sum().backward()
-
         for case, fn in (("trainer_score", lambda model=model, ids=ids, cu=cu: model.trainer_logprobs(ids, cu)),
-                         ("trainer_fwd_bwd", fwd_bwd)):
+                         ("trainer_fwd_bwd", lambda model=model, ids=ids, cu=cu, nxt=nxt: _fwd_bwd(model, ids, cu, nxt))):
             fn()  # warm-up: JIT, autotuning, allocations
             if cuda:
                 torch.cuda.synchronize()

@@ -19,6 +19,11 @@ A Gluon kernel cannot call the Triton kernel's ``triton.jit`` helpers (Triton 3.
 in a Gluon module), so the program-to-tile mapping, the swizzle, the tree's binary counter and the in-kernel top are
 written again here, in Gluon, with the same arithmetic.
 
+Measured on one H100 (``results/h200/gluon_efcb779_h100/``, ``results/h200/counters_15762cc_h100/``): bitwise equal
+to the Triton programs everywhere; its leaf kernel 1.15x the configured Triton one at 512-wide leaves, but 0.70-0.86x
+overall at trainer shapes, where two leaves per program (its register budget at 128x128) left the tree's top to
+``tree_combine``; with ``top: in_kernel`` it now adds up to two top levels itself. No config pins it.
+
 Scope: bf16 / fp16 dense launches whose leaf width is a multiple of BK, with 16-byte aligned rows (the TMA rules);
 the caller (:func:`isoexec.kernels.gemm.triton._launch_leaves`) runs the Triton ``paired`` loop at the same tiles
 for anything else (grouped expert launches, other widths, fp32). Source of the pipelining pattern: the Gluon
