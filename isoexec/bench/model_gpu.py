@@ -288,8 +288,9 @@ def model_profile(cfg, log=print, batch=8, seq_len=1024, top=25) -> list[dict]:
         _, _, ids, cu = _inputs(model.config.vocab_size, batch, seq_len, 1, 1)
         nxt = torch.cat([ids[1:], ids[:1]]).to(cfg.device)[:, None]
 
-        for case, fn in (("trainer_score", lambda model=model, ids=ids, cu=cu: model.trainer_logprobs(ids, cu)),
-                         ("trainer_fwd_bwd", lambda model=model, ids=ids, cu=cu, nxt=nxt: _fwd_bwd(model, ids, cu, nxt))):
+        cases = {"trainer_score": lambda: model.trainer_logprobs(ids, cu),
+                 "trainer_fwd_bwd": lambda: _fwd_bwd(model, ids, cu, nxt)}  # this iteration's model and inputs
+        for case, fn in cases.items():
             fn()  # warm-up: JIT, autotuning, allocations
             if cuda:
                 torch.cuda.synchronize()
