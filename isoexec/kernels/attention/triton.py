@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from isoexec.kernels.attention.native import native_attention
 from isoexec.kernels.autograd import with_ref_grad
 
 DOT_PRECISION = "ieee"
@@ -171,27 +172,11 @@ def attention_slots(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool_k: t
     return out
 
 
-def _ref_attention(q, starts, lengths, *kvs):
-    """Differentiable fp32 attention with the same masking (gradient only)."""
-    outs, row0 = [], 0
-    for b, (s, n) in enumerate(zip(starts, lengths)):
-        k, v = kvs[2 * b], kvs[2 * b + 1]
-        hq, hkv, d = q.shape[1], k.shape[1], q.shape[2]
-        qb = q[row0 : row0 + n].float().transpose(0, 1)  # [Hq, n, D]
-        kb = k.float().repeat_interleave(hq // hkv, dim=1).transpose(0, 1)
-        vb = v.float().repeat_interleave(hq // hkv, dim=1).transpose(0, 1)
-        sc = qb @ kb.transpose(1, 2) / math.sqrt(d)
-        mask = torch.arange(k.shape[0], device=q.device)[None, :] > (s + torch.arange(n, device=q.device))[:, None]
-        sc = sc.masked_fill(mask, float("-inf"))
-        outs.append((torch.softmax(sc, -1) @ vb).transpose(0, 1))
-        row0 += n
-    return torch.cat(outs).to(q.dtype)
-
-
 def attention_autograd(q, kv, starts, lengths, kv_block: int, block_m: int, num_warps: int = 8,
                        num_stages: int = 2) -> torch.Tensor:
-    """:func:`attention` whose gradient is that of a plain fp32 softmax attention."""
+    """:func:`attention` whose gradient is the native stack's: SDPA's
+    (:func:`isoexec.kernels.attention.native.native_attention`, flash attention's backward in the activation dtype)."""
     flat = [t for pair in kv for t in pair]
     return with_ref_grad(lambda qq, *f: attention(qq, list(zip(f[0::2], f[1::2])), starts, lengths, kv_block, block_m,
                                                   num_warps, num_stages),
-                         lambda qq, *f: _ref_attention(qq, starts, lengths, *f), q, *flat)
+                         lambda qq, *f: native_attention(qq, list(zip(f[0::2], f[1::2])), starts, lengths), q, *flat)

@@ -38,11 +38,11 @@ same bits.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from isoexec.kernels.autograd import with_ref_grad
+from isoexec.kernels.gemm.native import native_linear
 
 DOT_PRECISION = "ieee"  # bf16 x bf16 -> fp32 on the tensor cores; fp32 as a true fp32 dot (no tf32)
 
@@ -771,23 +771,24 @@ def linear_leaves_partial(x_shard: torch.Tensor, w_shard: torch.Tensor, cfg, lea
 
 # ---------------------------------------------------------------------------------------- autograd
 def _ref_linear(od):
-    def ref(a, b):
-        if od == torch.float32:
-            return F.linear(a.float(), b.float())
-        return F.linear(a, b.to(a.dtype)).to(od)
-
-    return ref
+    """The native stack's linear (:func:`isoexec.kernels.gemm.native.native_linear`: cuBLAS in the activation dtype,
+    then cast to ``od``), whose gradient the isoexec GEMMs take. With ``od`` fp32 (``lm_head``) the gradient is the
+    native one (the output gradient rounded to the activation dtype, two tensor-core GEMMs), not fp32 GEMMs of the
+    upcast operands: those made a bf16 ``trainer_fwd_bwd`` of the h200-rlstep stack spend most of its time in the
+    ``lm_head``'s backward (results/h200/model_profile_*)."""
+    return lambda a, b: native_linear(a, b, out_dtype=od)
 
 
 def linear_autograd(x: torch.Tensor, w: torch.Tensor, cfg, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """:func:`linear` with a gradient (``trainer_fwd``): the forward is the Triton kernel's bits, the
-    backward that of ``F.linear`` (cuBLAS) on the same inputs (:func:`~isoexec.kernels.autograd.with_ref_grad`)."""
+    backward that of the native ``F.linear`` (cuBLAS) on the same inputs (:func:`_ref_linear`,
+    :func:`~isoexec.kernels.autograd.with_ref_grad`)."""
     od = out_dtype or x.dtype
     return with_ref_grad(lambda a, b: linear(a, b, cfg, od), _ref_linear(od), x, w)
 
 
 def linear_leaves_autograd(x: torch.Tensor, w: torch.Tensor, cfg, leaves: int,
                            out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """:func:`linear_leaves` with the gradient of ``F.linear`` (the forward bits are the leaf GEMM's)."""
+    """:func:`linear_leaves` with the gradient of the native ``F.linear`` (the forward bits are the leaf GEMM's)."""
     od = out_dtype or x.dtype
     return with_ref_grad(lambda a, b: linear_leaves(a, b, cfg, leaves, od), _ref_linear(od), x, w)

@@ -9,11 +9,14 @@ a row's bits depend on that row alone.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import triton
 import triton.language as tl
 
 from isoexec.kernels.autograd import with_ref_grad
+from isoexec.kernels.logprob.native import native_logprob
 
 
 @triton.jit(do_not_specialize=["V"])
@@ -56,6 +59,6 @@ def logprob(logits: torch.Tensor, temperature: float, vocab_block: int) -> torch
 
 
 def logprob_autograd(logits: torch.Tensor, temperature: float, vocab_block: int) -> torch.Tensor:
-    """:func:`logprob` whose gradient is ``log_softmax``'s."""
-    return with_ref_grad(lambda z: logprob(z, temperature, vocab_block),
-                         lambda z: torch.log_softmax(z.float() / temperature, dim=-1), logits)
+    """:func:`logprob` whose gradient is ``log_softmax``'s (:func:`isoexec.kernels.logprob.native.native_logprob`)."""
+    return with_ref_grad(lambda z: logprob(z, temperature, vocab_block), partial(native_logprob, temperature=temperature),
+                         logits)
