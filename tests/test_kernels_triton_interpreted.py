@@ -340,6 +340,65 @@ def test_triton_conv1d_one_launch_over_every_piece_equals_each_piece_alone_in_th
     assert res["grad_eq_native"]
 
 
+_GRAD_CASE = r"""
+import json, torch
+from isoexec.config import TritonSection
+from isoexec.kernels.attention.native import native_attention
+from isoexec.kernels.attention.triton import attention_autograd
+from isoexec.kernels.gemm.native import native_linear
+from isoexec.kernels.gemm.triton import linear_autograd, linear_leaves_autograd
+from isoexec.kernels.logprob.native import native_logprob
+from isoexec.kernels.logprob.triton import logprob_autograd
+torch.manual_seed(0)
+t = TritonSection()
+
+
+def grads(fn, ins, gy):
+    ins = [x.detach().clone().requires_grad_() for x in ins]
+    y = fn(*ins)
+    return y.detach(), torch.autograd.grad(y, ins, gy)
+
+
+def case(iso, nat, ins, gy):
+    y_iso, g_iso = grads(iso, ins, gy)
+    y_nat, g_nat = grads(nat, ins, gy)
+    return {"grad_eq_native": all(torch.equal(a, b) for a, b in zip(g_iso, g_nat)),
+            "value_differs": not torch.equal(y_iso, y_nat)}
+
+
+x, w = torch.randn(24, 256).bfloat16(), (torch.randn(96, 256) * 0.1).bfloat16()
+gy = torch.randn(24, 96)
+out = {"lm_head": case(lambda a, b: linear_autograd(a, b, t, out_dtype=torch.float32),
+                       lambda a, b: native_linear(a, b, out_dtype=torch.float32), [x, w], gy),
+       "leaf": case(lambda a, b: linear_leaves_autograd(a, b, t, 8), native_linear, [x, w], gy.bfloat16())}
+# the gradient these replaced (fp32 GEMMs of the upcast operands) is not the native one: the check can tell them apart
+_, g_old = grads(lambda a, b: torch.nn.functional.linear(a.float(), b.float()), [x, w], gy)
+_, g_nat = grads(lambda a, b: native_linear(a, b, out_dtype=torch.float32), [x, w], gy)
+out["upcast_grad_differs"] = not all(torch.equal(a.to(b.dtype), b) for a, b in zip(g_old, g_nat))
+q, k, v = torch.randn(40, 4, 64).bfloat16(), torch.randn(40, 2, 64).bfloat16(), torch.randn(40, 2, 64).bfloat16()
+out["attention"] = case(lambda a, b, c: attention_autograd(a, [(b[:17], c[:17]), (b[17:], c[17:])], [0, 0], [17, 23], 16, 16),
+                        lambda a, b, c: native_attention(a, [(b[:17], c[:17]), (b[17:], c[17:])], [0, 0], [17, 23]),
+                        [q, k, v], torch.randn(40, 4, 64).bfloat16())
+z = torch.randn(6, 1000) * 3
+out["logprob"] = case(lambda a: logprob_autograd(a, 0.7, 256), lambda a: native_logprob(a, 0.7), [z], torch.randn(6, 1000))
+print(json.dumps(out))
+"""
+
+
+def test_triton_set_gradients_are_the_native_stacks_in_the_interpreter():
+    """Under autograd the Triton set's GEMMs (``lm_head``'s fp32 output, the leaf GEMM), attention and logprob return
+    their kernels' values (which differ from the native stack's) and the native stack's gradients, bit for bit (the
+    backward is outside the contract: it is the native trainer's). Negative control: the fp32 gradient of the upcast
+    operands, which the GEMMs' reference used before, differs from the native one."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    r = subprocess.run([sys.executable, "-c", _GRAD_CASE], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    for name in ("lm_head", "leaf", "attention", "logprob"):
+        assert res[name] == {"grad_eq_native": True, "value_differs": True}, (name, res[name])
+    assert res["upcast_grad_differs"]
+
+
 _SLOTS_CASE = r"""
 import json, torch
 import torch.nn.functional as F

@@ -774,8 +774,8 @@ def _ref_linear(od):
     """The native stack's linear (:func:`isoexec.kernels.gemm.native.native_linear`: cuBLAS in the activation dtype,
     then cast to ``od``), whose gradient the isoexec GEMMs take. With ``od`` fp32 (``lm_head``) the gradient is the
     native one (the output gradient rounded to the activation dtype, two tensor-core GEMMs), not fp32 GEMMs of the
-    upcast operands: those made a bf16 ``trainer_fwd_bwd`` of the h200-rlstep stack spend most of its time in the
-    ``lm_head``'s backward (results/h200/model_profile_*)."""
+    upcast operands, which ran on the CUDA cores and took 487 of ``trainer_fwd_bwd``'s 995 ms at h200-rlstep
+    (results/h200/subtrees_fc369b6_h100/, results/h200/native_grads_scan_da592ec_h100/)."""
     return lambda a, b: native_linear(a, b, out_dtype=od)
 
 
