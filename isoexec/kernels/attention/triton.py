@@ -174,9 +174,12 @@ def attention_slots(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool_k: t
 
 def attention_autograd(q, kv, starts, lengths, kv_block: int, block_m: int, num_warps: int = 8,
                        num_stages: int = 2) -> torch.Tensor:
-    """:func:`attention` whose gradient is the native stack's: SDPA's
-    (:func:`isoexec.kernels.attention.native.native_attention`, flash attention's backward in the activation dtype)."""
+    """:func:`attention` whose gradient is the native stack's: that of SDPA in the activation dtype
+    (:func:`isoexec.kernels.attention.native.native_attention`, whichever backend SDPA picks) on each piece's keys up to
+    its last query's position (``start + n``: the keys the kernel reads; SDPA's one-row case reads all it is given)."""
     flat = [t for pair in kv for t in pair]
+    upto = [s + n for s, n in zip(starts, lengths)]
     return with_ref_grad(lambda qq, *f: attention(qq, list(zip(f[0::2], f[1::2])), starts, lengths, kv_block, block_m,
                                                   num_warps, num_stages),
-                         lambda qq, *f: native_attention(qq, list(zip(f[0::2], f[1::2])), starts, lengths), q, *flat)
+                         lambda qq, *f: native_attention(qq, [(kk[:u], vv[:u]) for kk, vv, u in zip(f[0::2], f[1::2], upto)],
+                                                         starts, lengths), q, *flat)
