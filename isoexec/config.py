@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Literal, get_args, get_origin
+from types import UnionType
+from typing import Literal, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, ValidationError, model_validator
@@ -19,6 +20,30 @@ from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegative
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _scalars_as_written(cls, data):
+        """Refuse what pydantic's lax mode would convert: a boolean for a number (``true`` -> 1), a string for an
+        integer (``'16'``) and anything but a boolean for a boolean (``'yes'``). Float fields keep accepting strings:
+        PyYAML reads ``1e-6`` (no dot) as one."""
+        if not isinstance(data, dict):
+            return data
+        for key, value in data.items():
+            field = cls.model_fields.get(key)
+            if field is None or value is None:
+                continue
+            ann = field.annotation
+            kinds = {a for a in (get_args(ann) if get_origin(ann) in (Union, UnionType) else (ann,)) if a in (bool, int, float)}
+            if not kinds:
+                continue
+            if kinds == {bool} and not isinstance(value, bool):
+                raise ValueError(f"{key}={value!r}: expected true or false")
+            if bool not in kinds and isinstance(value, bool):
+                raise ValueError(f"{key}={value!r}: a boolean where a number is expected")
+            if kinds == {int} and isinstance(value, str):
+                raise ValueError(f"{key}={value!r}: a string where an integer is expected (write it unquoted)")
+        return data
 
 
 class ModelSection(_Section):
@@ -159,18 +184,19 @@ class TritonSection(_Section):
     @model_validator(mode="after")
     def _powers_of_two(self) -> "TritonSection":
         bad = [f"kernels.triton.{k}={v}" for k, v in self.model_dump().items()
-               if k.endswith(("_bv", "_block_m", "_block_t", "_block_c", "_program_leaves")) and v & (v - 1)]
-        for name in ("gemm_bfloat16", "gemm_float32", "pik_gemm_bfloat16", "pik_gemm_float32"):
-            bm, bn, bk, _, _ = getattr(self, name)
+               if k.endswith(("_bv", "_block_m", "_block_t", "_block_c", "_program_leaves", "_warps")) and v & (v - 1)]
+        tiles = [(name, getattr(self, name)) for name in ("gemm_bfloat16", "gemm_float32", "pik_gemm_bfloat16",
+                                                          "pik_gemm_float32")]
+        tiles += [(f"gemm_bfloat16_by_rows[{i}]", b.tiles) for i, b in enumerate(self.gemm_bfloat16_by_rows)]
+        tiles += [(f"pik_bfloat16_by_leaf_k[{i}]", b.tiles) for i, b in enumerate(self.pik_bfloat16_by_leaf_k)]
+        for name, (bm, bn, bk, nw, _) in tiles:
             bad += [f"kernels.triton.{name} tile {t}" for t in (bm, bn, bk) if t < 16 or t & (t - 1)]
-        for i, b in enumerate(self.gemm_bfloat16_by_rows):
-            bad += [f"kernels.triton.gemm_bfloat16_by_rows[{i}] tile {t}" for t in b.tiles[:3] if t < 16 or t & (t - 1)]
+            bad += [f"kernels.triton.{name} num_warps {nw}"] * bool(nw & (nw - 1))
         for i, b in enumerate(self.pik_bfloat16_by_leaf_k):
-            bad += [f"kernels.triton.pik_bfloat16_by_leaf_k[{i}] tile {t}" for t in b.tiles[:3] if t < 16 or t & (t - 1)]
             bad += [f"kernels.triton.pik_bfloat16_by_leaf_k[{i}].program_leaves={b.program_leaves}"] * bool(
                 b.program_leaves & (b.program_leaves - 1))
         if bad:
-            raise ValueError(f"must be powers of two (GEMM tiles >= 16): {', '.join(bad)}")
+            raise ValueError(f"must be powers of two (GEMM tiles >= 16; Triton's num_warps): {', '.join(bad)}")
         if self.gdn_bwd_warps >= 8 and self.gdn_bwd_bv < 32:
             raise ValueError(f"kernels.triton.gdn_bwd_warps={self.gdn_bwd_warps} with gdn_bwd_bv={self.gdn_bwd_bv}: "
                              "the CPR backward's _bwd_chain faults (illegal memory access) with 8 warps on 16-column "

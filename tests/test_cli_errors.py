@@ -238,6 +238,15 @@ def test_an_init_checkpoint_of_another_model_is_refused_naming_the_settings(tmp_
     (["isoexec.bench.rl_step", "--config", "experiments/ci-tiny.yaml", "--steps", "0"], "--steps 0: must be >= 1"),
     (["isoexec.bench.rl_step", "--config", "experiments/nope.yaml"], "'experiments/nope.yaml' does not exist"),
     (["isoexec.bench.vllm_gpu", "--config", "experiments/nope.yaml", "--out-dir", "OUT"], "'experiments/nope.yaml' does not exist"),
+    (["isoexec.bench.gpu", "variants", "--config", "experiments/nope.yaml", "--out-dir", "OUT"],
+     "'experiments/nope.yaml' does not exist"),
+    (["isoexec.bench.gpu", "gates", "--config", "experiments/h200.yaml", "--extra-config", "experiments/nope.yaml",
+      "--out-dir", "OUT"], "'experiments/nope.yaml' does not exist"),
+    (["isoexec.bench.engine_decode", "--config", "experiments/h200.yaml", "--out-dir", "OUT"],
+     "device: cuda, but this machine has no CUDA"),
+    (["isoexec.bench.engine_decode", "--config", "experiments/nope.yaml", "--out-dir", "OUT"],
+     "'experiments/nope.yaml' does not exist"),
+    (["isoexec.bench.pik_gpu", "--config", "experiments/h200.yaml", "--out", "OUT"], "start it with torchrun"),
 ])
 def test_gpu_benchmarks_refuse_a_config_this_machine_cannot_run_in_one_line(tmp_path, argv, needle):
     """The GPU benchmarks' modules refuse like the CLI: one `error:` line, exit 2, before they write anything."""

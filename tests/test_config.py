@@ -41,6 +41,13 @@ def test_shipped_experiments_load(name):
         ("device: cuda\nkernels: {kv_block: 8}", "kernels.kv_block=8"),
         ("kernels: {triton: {gdn_scan_bv: 12}}", "gdn_scan_bv=12"),
         ("kernels: {triton: {gemm_bfloat16: [128, 96, 64, 8, 3]}}", "gemm_bfloat16 tile 96"),
+        ("kernels: {triton: {gemm_bfloat16: [128, 128, 64, 6, 3]}}", "gemm_bfloat16 num_warps 6"),
+        ("kernels: {triton: {gdn_scan_warps: 3}}", "gdn_scan_warps=3"),
+        # what pydantic's lax mode would convert silently
+        ("kernels: {triton: {gdn_scan_bv: true}}", "gdn_scan_bv=True: a boolean where a number is expected"),
+        ("kernels: {triton: {gdn_scan_bv: '16'}}", "gdn_scan_bv='16': a string where an integer is expected"),
+        ("kernels: {triton: {gdn_prep_split: 'yes'}}", "gdn_prep_split='yes': expected true or false"),
+        ("rl: {steps: true}", "steps=True: a boolean where a number is expected"),
         # a typo inside a bucket names the bucket's keys; a section's own check names its key, not the whole section
         ("kernels: {triton: {pik_bfloat16_by_leaf_k: [{max_leaf_k: 64, loop: paired, tiles: [64, 64, 64, 4, 3], "
          "program_leaves: 8, loads: tma}]}}",

@@ -180,12 +180,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--reps", type=int, default=2, help="alternations of the trees (default: %(default)s)")
     a = p.parse_args(argv)
     try:
+        from isoexec.config import check_device, load_config
+
+        check_device(load_config(a.config), a.config)  # before the out-dir and the trees' processes
         trees = [parse_tree(t) for t in a.tree]
         batches = [int(b) for b in a.batches.split(",")]
         if min(batches) < 1 or a.steps < 1 or a.prompt_len < 1 or a.reps < 1:
             raise ValueError(f"--batches {a.batches}, --steps {a.steps}, --prompt-len {a.prompt_len}, --reps {a.reps}: "
                              "every value must be >= 1")
-    except ValueError as e:
+    except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     root = str(Path(__file__).resolve().parents[2])

@@ -75,6 +75,7 @@ def gpu_configs(config: str, extra_configs: tuple[str, ...] = ()) -> tuple:
     """The experiment ``config`` (and ``extra_configs``) loaded and checked for this machine's GPU.
 
     Raises:
+        FileNotFoundError: a config path that does not exist.
         ValueError: a config that does not load, whose ``device`` is not cuda, or ``device: cuda`` where torch sees no
             CUDA device.
     """
@@ -153,7 +154,11 @@ def gpu_bench_command(config: str = "experiments/h200.yaml", out_dir: str | None
                 traceback.print_exc()
                 steps[name] = {"ok": False, "error": f"{type(e).__name__}: {e}"}
             log(f"{name}: {steps[name]}")
-        prov["bench"] = steps
+            # each table's own config and command (the stages of one job share this file; the top-level command is
+            # the last stage's), written after every table: a stage cut by its time limit keeps the tables it wrote
+            steps[name].update(config=config, command=prov["provenance"].get("command"))
+            prov["bench"] = steps
+            atomic_write_text(prov_path, json.dumps(prov, indent=2, sort_keys=True, default=str) + "\n")
     atomic_write_text(prov_path, json.dumps(prov, indent=2, sort_keys=True, default=str) + "\n")
 
 
@@ -171,7 +176,7 @@ if __name__ == "__main__":
     a = p.parse_args()
     try:  # the input's refusal in one line; an error inside a stage keeps its traceback
         gpu_configs(a.config, tuple(a.extra_config))
-    except ValueError as e:
+    except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     gpu_bench_command(a.config, a.out_dir, a.what, tuple(a.extra_config))

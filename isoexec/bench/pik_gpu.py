@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import zlib
 
 import torch
@@ -169,4 +170,8 @@ if __name__ == "__main__":
     p.add_argument("--extra-config", action="append", default=[])
     p.add_argument("--out", default="results/h200x2/pik.csv")
     a = p.parse_args()
+    if "RANK" not in os.environ:
+        print("error: pik_gpu runs one process per GPU: start it with torchrun --nproc_per_node=<TP> "
+              "-m isoexec.bench.pik_gpu (RANK is not set)", file=sys.stderr)
+        raise SystemExit(2)
     run([a.config, *a.extra_config], a.out)
