@@ -180,9 +180,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--reps", type=int, default=2, help="alternations of the trees (default: %(default)s)")
     a = p.parse_args(argv)
     try:
-        from isoexec.bench.gpu import gpu_configs
+        from isoexec.config import check_device, load_config
 
-        gpu_configs(a.config)  # before the out-dir and the trees' processes
+        check_device(load_config(a.config), a.config)  # before the out-dir and the trees' processes (a cpu config runs)
         trees = [parse_tree(t) for t in a.tree]
         batches = [int(b) for b in a.batches.split(",")]
         if min(batches) < 1 or a.steps < 1 or a.prompt_len < 1 or a.reps < 1:
